@@ -1,0 +1,214 @@
+"""Stream raw chat records from JSON arrays, JSONL files and on-disk HF datasets, counting bad rows."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MAX_EXAMPLES = 3  # first few examples of each skip reason that are logged and kept in the stats
+
+
+class DataError(RuntimeError):
+    """Input data cannot be read at all (missing file, unreadable dataset)."""
+
+
+@dataclass
+class SkipLog:
+    """Counts skipped rows by reason and remembers the first few examples of each."""
+
+    counts: Counter = field(default_factory=Counter)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def skip(self, reason: str, where: str, detail: str = "") -> None:
+        self.counts[reason] += 1
+        ex = self.examples.setdefault(reason, [])
+        if len(ex) < MAX_EXAMPLES:
+            msg = f"{where}: {detail}" if detail else where
+            ex.append(msg[:300])
+            log.warning("skipping %s (%s)", msg[:300], reason)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+        log.warning(message)
+
+
+_STRUCT = re.compile(r'["{}\[\]]')
+_STRING_END = re.compile(r'(?:[^"\\]|\\.)*"', re.S)
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """End index of the bracketed value starting at `i`, ignoring its inner syntax; None at EOF.
+
+    Used to step over a corrupt record: brackets are balanced outside strings, so the scan finds
+    where the record ends even when its content does not parse.
+    """
+    depth = 0
+    pos = i
+    while True:
+        m = _STRUCT.search(text, pos)
+        if m is None:
+            return None
+        ch = m.group()
+        if ch == '"':
+            s = _STRING_END.match(text, m.end())
+            if s is None:
+                return None
+            pos = s.end()
+            continue
+        depth += 1 if ch in "{[" else -1
+        pos = m.end()
+        if depth == 0:
+            return pos
+
+
+def _decode_text(raw: bytes, where: str, skips: SkipLog) -> str:
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        skips.warn(
+            f"{where}: not valid UTF-8 at byte {e.start}; undecodable bytes are kept as escapes "
+            "and the records that contain them are skipped as 'bad_encoding'"
+        )
+        return raw.decode("utf-8", errors="surrogateescape")
+
+
+def _has_bad_chars(obj: Any) -> bool:
+    """True when a decoded record still holds undecodable bytes (lone surrogates)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(obj, dict):
+        return any(_has_bad_chars(k) or _has_bad_chars(v) for k, v in obj.items())
+    if isinstance(obj, list):
+        return any(_has_bad_chars(v) for v in obj)
+    return False
+
+
+def iter_json_array(path: Path, skips: SkipLog) -> Iterator[tuple[str, Any]]:
+    """Yield (location, record) from a JSON array file, record by record.
+
+    A file cut short mid-record (an interrupted download, or the bundled ShareGPT file) keeps
+    every complete record and records a warning with the byte offset of the cut. A corrupt
+    record in the middle is skipped as 'invalid_json' and reading resumes at the next record.
+    """
+    text = _decode_text(path.read_bytes(), str(path), skips)
+    dec = json.JSONDecoder()
+    n = len(text)
+    i = 0
+    while i < n and text[i].isspace():
+        i += 1
+    if i >= n or text[i] != "[":
+        raise DataError(f"{path} is not a JSON array (expected '[' at the start)")
+    i += 1
+    index = 0
+    while True:
+        while i < n and (text[i].isspace() or text[i] == ","):
+            i += 1
+        if i >= n:
+            skips.warn(
+                f"{path}: JSON array is not closed (file ends at byte "
+                f"{len(text.encode('utf-8', 'surrogateescape'))}); kept {index} records"
+            )
+            return
+        if text[i] == "]":
+            return
+        try:
+            obj, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            end = _value_end(text, i) if text[i] in "{[" else None
+            if end is None:
+                offset = len(text[:i].encode("utf-8", "surrogateescape"))
+                skips.skip("truncated_record", f"{path.name}#{index}", f"record at byte {offset}")
+                skips.warn(
+                    f"{path} is truncated: the record starting at byte {offset} is incomplete "
+                    f"({e.msg}); kept the {index} complete records before it"
+                )
+                return
+            skips.skip("invalid_json", f"{path.name}#{index}", e.msg)
+            index += 1
+            i = end
+            continue
+        yield f"{path.name}#{index}", obj
+        index += 1
+        i = end
+
+
+def iter_jsonl(path: Path, skips: SkipLog) -> Iterator[tuple[str, Any]]:
+    """Yield (location, record) per line of a JSON-lines file; bad lines are skipped and counted."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path.name}:{lineno}"
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                skips.skip("bad_encoding", where, f"not UTF-8 at byte {e.start}")
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                skips.skip("invalid_json", where, e.msg)
+
+
+def iter_hf_disk(path: Path, split: str | None, skips: SkipLog) -> Iterator[tuple[str, Any]]:
+    """Yield (location, record) from a dataset saved with `datasets.save_to_disk`."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - re-raised with the path and the fix
+        raise DataError(
+            f"cannot read the Hugging Face dataset at {path} ({type(e).__name__}: {e}); it must "
+            "be a directory written by datasets' save_to_disk"
+        ) from e
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            split = "train" if "train" in ds else next(iter(ds))
+        if split not in ds:
+            raise DataError(f"split '{split}' not in {path}; it has {', '.join(ds)}")
+        ds = ds[split]
+    for i, row in enumerate(ds):
+        yield f"{path.name}[{i}]", row
+
+
+def detect_format(path: Path) -> str:
+    """'hf_disk' for a saved dataset dir, 'json' for a JSON array, else 'jsonl'."""
+    if path.is_dir():
+        return "hf_disk"
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return "json" if head.startswith(b"[") else "jsonl"
+
+
+def iter_records(
+    path: Path, fmt: str, skips: SkipLog, split: str | None = None
+) -> Iterator[tuple[str, Any]]:
+    """Yield (location, record) from `path` in format `fmt` (auto|json|jsonl|hf_disk)."""
+    if not path.exists():
+        raise DataError(f"input not found: {path} (set data.path to an existing file or dir)")
+    if fmt == "auto":
+        fmt = detect_format(path)
+    if fmt == "hf_disk":
+        yield from iter_hf_disk(path, split, skips)
+        return
+    if path.is_dir():
+        raise DataError(f"data.path={path} is a directory; data.format={fmt} needs a file")
+    reader = iter_json_array if fmt == "json" else iter_jsonl
+    for where, obj in reader(path, skips):
+        if _has_bad_chars(obj):
+            skips.skip("bad_encoding", where, "record holds bytes that are not UTF-8")
+            continue
+        yield where, obj

@@ -1,0 +1,50 @@
+"""`hydra-heads <subcommand> [overrides]`: dispatch to one hydra-core app per subcommand."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module with CONFIG_NAME and run(cfg), one-line help). One module per subcommand.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "prep": ("launch.commands.prep", "chat data -> tokenized, loss-masked Arrow shards + stats"),
+}
+
+USAGE = """usage: hydra-heads <subcommand> [key=value ...] [hydra flags]
+
+Train Hydra / Hydra++ / Medusa draft heads for speculative decoding.
+
+subcommands:
+{commands}
+
+Each subcommand is a hydra-core app composed from conf/: override any key with key=value,
+pick a config group option with group=name (e.g. base=tiny_random), show the composed config
+with `--cfg job`, and list groups and options with `hydra-heads <subcommand> --help`.
+"""
+
+
+def usage() -> str:
+    width = max(len(n) for n in SUBCOMMANDS)
+    lines = [f"  {n.ljust(width)}  {h}" for n, (_, h) in SUBCOMMANDS.items()]
+    return USAGE.format(commands="\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        raise SystemExit(0 if argv else 2)
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"error: unknown subcommand '{name}'; choose one of: {', '.join(SUBCOMMANDS)}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    sys.argv = [f"hydra-heads {name}", *rest]
+    from launch.app import run_app
+
+    run_app(module.CONFIG_NAME, module.run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Subcommands of the hydra-heads CLI: one module each (CONFIG_NAME + run(cfg))."""

