@@ -21,7 +21,7 @@ class DataConfig:
     format: Literal["auto", "json", "jsonl", "hf_disk"] = "auto"
     split: str | None = None  # split to read from an on-disk DatasetDict
     turns_field: str | None = None  # name of the turns list; default: conversations / messages
-    roles: dict[str, str] = field(default_factory=dict)  # extra raw-role -> role mappings
+    roles: dict[str, str] | None = None  # extra raw-role -> role mappings
     loss_roles: list[str] = field(default_factory=lambda: ["assistant"])
     max_conversations: int | None = None  # read at most this many input records
     max_length: int = 2048
@@ -43,7 +43,7 @@ class DataConfig:
                 fail("loss_roles", self.loss_roles, f"roles are {', '.join(ROLES)}")
         if not self.loss_roles:
             fail("loss_roles", self.loss_roles, "name at least one role, e.g. [assistant]")
-        for raw, role in self.roles.items():
+        for raw, role in (self.roles or {}).items():
             if role not in ROLES:
                 fail(f"roles.{raw}", role, f"map raw roles onto one of {', '.join(ROLES)}")
         if self.max_conversations is not None and self.max_conversations <= 0:
@@ -60,7 +60,7 @@ class DataConfig:
 
 @dataclass
 class RegenConfig:
-    """Self-distillation: regenerate assistant turns with the base model (`prep regenerate=true`)."""
+    """Self-distillation: the base model rewrites assistant turns (`prep regenerate=true`)."""
 
     max_new_tokens: int = 512
     temperature: float = 0.0  # 0 = greedy

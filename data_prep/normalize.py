@@ -41,24 +41,23 @@ class NormalizeStats:
     extra: dict[str, int] = field(default_factory=dict)
 
 
-def _turns(record: Any, field_name: str | None) -> tuple[list, str, str]:
-    """The list of turns in `record` and the key names of role and content inside a turn."""
+def _turns(record: Any, field_name: str | None) -> list:
+    """The list of turns in `record` (ShareGPT, OpenAI messages, or prompt/response)."""
     if not isinstance(record, Mapping):
         raise RowError("not_an_object", f"record is a {type(record).__name__}, not an object")
-    if field_name:
-        names = [field_name]
-    else:
-        names = ["conversations", "messages", "conversation"]
+    names = [field_name] if field_name else ["conversations", "messages", "conversation"]
     for name in names:
         if name in record:
             turns = record[name]
             if not isinstance(turns, list):
                 raise RowError("malformed_turns", f"'{name}' is a {type(turns).__name__}")
-            return turns, name, ""
+            return turns
     if "prompt" in record and ("response" in record or "completion" in record):
         reply = record.get("response", record.get("completion"))
-        return [{"role": "user", "content": record["prompt"]},
-                {"role": "assistant", "content": reply}], "prompt", ""
+        return [
+            {"role": "user", "content": record["prompt"]},
+            {"role": "assistant", "content": reply},
+        ]
     raise RowError("no_conversation", f"no field {' / '.join(names)} (keys: {sorted(record)[:8]})")
 
 
@@ -74,7 +73,7 @@ def normalize(
     assistant turns (ShareGPT has thousands of conversations that start mid-way) and trailing
     user turns without a reply are dropped and counted; anything else irregular rejects the row.
     """
-    turns, _, _ = _turns(record, field_name)
+    turns = _turns(record, field_name)
     if not turns:
         raise RowError("empty", "conversation has no turns")
     msgs: list[dict[str, str]] = []
@@ -93,7 +92,7 @@ def normalize(
         msgs.append({"role": mapped, "content": content})
 
     system = [m for m in msgs[:1] if m["role"] == "system"]
-    body = msgs[len(system):]
+    body = msgs[len(system) :]
     dropped_lead = 0
     while body and body[0]["role"] == "assistant":
         body.pop(0)

@@ -63,11 +63,12 @@ def read_conversations(data: DataConfig, skips: SkipLog) -> tuple[list[dict], di
     from tqdm.auto import tqdm
 
     path = resolve_input(data)
-    role_map = {**DEFAULT_ROLE_MAP, **{k.lower(): v for k, v in data.roles.items()}}
+    role_map = {**DEFAULT_ROLE_MAP, **{k.lower(): v for k, v in (data.roles or {}).items()}}
     norm = NormalizeStats()
     seen: set[str] = set()
     rows: list[dict] = []
     n_read = 0
+    n_row_skips = 0  # rows that parsed but were rejected here (the reader counts the rest)
     bar = tqdm(desc=f"reading {path.name}", unit=" conv", total=data.max_conversations)
     for where, record in iter_records(path, data.format, skips, data.split):
         if data.max_conversations is not None and n_read >= data.max_conversations:
@@ -78,10 +79,12 @@ def read_conversations(data: DataConfig, skips: SkipLog) -> tuple[list[dict], di
             msgs = normalize(record, role_map, data.turns_field, norm)
         except RowError as e:
             skips.skip(e.reason, where, e.detail)
+            n_row_skips += 1
             continue
         key = conversation_key(msgs)
         if data.dedup and key in seen:
             skips.skip("duplicate", where, "identical to an earlier conversation")
+            n_row_skips += 1
             continue
         seen.add(key)
         cid = record.get("id") if isinstance(record.get("id"), str) else None
@@ -96,7 +99,8 @@ def read_conversations(data: DataConfig, skips: SkipLog) -> tuple[list[dict], di
     bar.close()
     info = {
         "input": str(path),
-        "records_read": n_read,
+        # Records seen, including lines or records the reader could not parse.
+        "records_read": n_read + sum(skips.counts.values()) - n_row_skips,
         "leading_assistant_turns_dropped": norm.leading_assistant_turns_dropped,
         "trailing_user_turns_dropped": norm.trailing_user_turns_dropped,
     }
@@ -251,12 +255,15 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     timing: dict[str, float] = {}
     out = Path(cfg.out).expanduser().resolve()
     if out.exists() and not cfg.overwrite:
-        raise PrepError(f"out={out} already exists; set overwrite=true to replace it, or pick "
-                        "another out")
+        raise PrepError(
+            f"out={out} already exists; set overwrite=true to replace it, or pick another out"
+        )
     tokenizer = load_tokenizer(cfg.base)
     if not getattr(tokenizer, "chat_template", None):
-        raise PrepError(f"the tokenizer of base={cfg.base.name} has no chat template; use a chat "
-                        "model or give the tokenizer a chat_template")
+        raise PrepError(
+            f"the tokenizer of base={cfg.base.name} has no chat template; use a chat "
+            "model or give the tokenizer a chat_template"
+        )
     timing["load_tokenizer_s"] = time.perf_counter() - t_start
 
     skips = SkipLog()
@@ -264,8 +271,10 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     rows, read_info = read_conversations(cfg.data, skips)
     timing["read_s"] = time.perf_counter() - t0
     if not rows:
-        raise PrepError(f"no usable conversation in {read_info['input']} (skipped: "
-                        f"{dict(skips.counts)}); check data.format / data.turns_field")
+        raise PrepError(
+            f"no usable conversation in {read_info['input']} (skipped: "
+            f"{dict(skips.counts)}); check data.format / data.turns_field"
+        )
 
     partial = out.parent / f"{out.name}.partial"
     partial.mkdir(parents=True, exist_ok=True)
@@ -319,16 +328,18 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     split_ds = {}
     keep_cols = ["conv_id", "input_ids", "loss_mask", "length", "num_trainable"]
     for split in SPLITS:
-        part = kept.filter(lambda s, split=split: [x == split for x in s],
-                           input_columns="split", batched=True)
+        part = kept.filter(
+            lambda s, split=split: [x == split for x in s], input_columns="split", batched=True
+        )
         part = part.select_columns(keep_cols)
-        if cfg.data.pack:
-            packed = pack_rows(part.to_list(), cfg.data.max_length, cfg.seed)
-            part = Dataset.from_list(packed) if packed else Dataset.from_dict(
-                {c: [] for c in [*keep_cols, "seq_lens"]})
+        if len(part) == 0:
+            part = Dataset.from_dict({c: [] for c in _final_features()}, features=_final_features())
+        elif cfg.data.pack:
+            part = Dataset.from_list(pack_rows(part.to_list(), cfg.data.max_length, cfg.seed))
         else:
-            part = part.map(lambda r: {"seq_lens": [[n] for n in r]}, input_columns="length",
-                            batched=True)
+            part = part.map(
+                lambda r: {"seq_lens": [[n] for n in r]}, input_columns="length", batched=True
+            )
         part = part.cast(_final_features())
         _deterministic_fingerprint(part, f"{split}:{cfg.seed}")
         split_ds[split] = part

@@ -1,4 +1,4 @@
-"""Stream raw chat records from JSON arrays, JSONL files and on-disk HF datasets, counting bad rows."""
+"""Stream raw chat records from JSON arrays, JSONL and on-disk HF datasets; count bad rows."""
 
 from __future__ import annotations
 

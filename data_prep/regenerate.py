@@ -21,8 +21,13 @@ def _manifest(rows: list[dict], cfg: RegenConfig, base_name: str, seed: int) -> 
     h = hashlib.sha256()
     for r in rows:
         h.update(r["key"].encode())
-    return {"conversations": len(rows), "keys_sha256": h.hexdigest(), "base": base_name,
-            "seed": seed, "regen": asdict(cfg)}
+    return {
+        "conversations": len(rows),
+        "keys_sha256": h.hexdigest(),
+        "base": base_name,
+        "seed": seed,
+        "regen": asdict(cfg),
+    }
 
 
 @torch.no_grad()
@@ -34,8 +39,8 @@ def _generate(base, prompts: list[list[int]], cfg: RegenConfig) -> list[str]:
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     attn = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        attn[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
     device = base.model.device
     eos = {tok.eos_token_id}
     gen_eos = base.model.generation_config.eos_token_id
@@ -79,8 +84,9 @@ def _regen_shard(rows: list[dict], base, cfg: RegenConfig) -> list[dict]:
             prompts = []
             for c in group:
                 idx = c["turns"][step]
-                p = tok.apply_chat_template(c["msgs"][:idx], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+                p = tok.apply_chat_template(
+                    c["msgs"][:idx], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
                 if hasattr(p, "keys"):
                     p = p["input_ids"]
                 prompts.append(list(p))
@@ -108,14 +114,21 @@ def _regen_shard(rows: list[dict], base, cfg: RegenConfig) -> list[dict]:
         end = c["turns"][c["done"] - 1] + 1 if c["done"] else 0
         msgs = c["msgs"][:end]
         r = c["row"]
-        out.append({"conv_id": r["conv_id"], "key": r["key"],
-                    "roles": [m["role"] for m in msgs], "contents": [m["content"] for m in msgs],
-                    "regenerated_turns": c["done"]})
+        out.append(
+            {
+                "conv_id": r["conv_id"],
+                "key": r["key"],
+                "roles": [m["role"] for m in msgs],
+                "contents": [m["content"] for m in msgs],
+                "regenerated_turns": c["done"],
+            }
+        )
     return out
 
 
-def regenerate(rows: list[dict], base, cfg: RegenConfig, workdir: Path, seed: int = 0,
-               skips=None) -> list[dict]:
+def regenerate(
+    rows: list[dict], base, cfg: RegenConfig, workdir: Path, seed: int = 0, skips=None
+) -> list[dict]:
     """Replace assistant turns in `rows` by the base model's own replies.
 
     Work is cut into shards of `cfg.shard_size` conversations; each finished shard is written

@@ -44,7 +44,7 @@ def loss_spans(
     prev = ""  # rendering of messages[:i]
     for i, m in enumerate(messages):
         full = render(tokenizer, messages[: i + 1]) if i + 1 < len(messages) else text
-        if m["role"] == "user" and i > 0:
+        if m["role"] == "user" and i > 0 and messages[i - 1]["role"] == "assistant":
             user_starts.append(len(prev))
         if m["role"] in loss_roles:
             head = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
@@ -104,7 +104,11 @@ def encode_batch(
         except TemplateError as e:
             rendered.append(e)
     texts = [r[0] for r in rendered if not isinstance(r, TemplateError)]
-    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    enc = (
+        tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        if texts
+        else {"input_ids": [], "offset_mapping": []}
+    )
     out: list[Encoded | TemplateError] = []
     j = 0
     for r in rendered:
@@ -120,9 +124,7 @@ def encode_batch(
     return out
 
 
-def chunk(
-    enc: Encoded, max_length: int, mode: str
-) -> list[tuple[list[int], list[int]]] | str:
+def chunk(enc: Encoded, max_length: int, mode: str) -> list[tuple[list[int], list[int]]] | str:
     """Fit one conversation into `max_length` tokens: a list of (input_ids, loss_mask) pieces,
     or the skip reason 'too_long' (mode=drop).
 

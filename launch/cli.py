@@ -36,8 +36,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
-        print(f"error: unknown subcommand '{name}'; choose one of: {', '.join(SUBCOMMANDS)}",
-              file=sys.stderr)
+        print(
+            f"error: unknown subcommand '{name}'; choose one of: {', '.join(SUBCOMMANDS)}",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     module = importlib.import_module(SUBCOMMANDS[name][0])
     sys.argv = [f"hydra-heads {name}", *rest]

@@ -1,4 +1,4 @@
-"""Load the frozen base LLM (hub id, local dir, GGUF file or tiny random) and expose what heads need."""
+"""Load the frozen base LLM (hub id, dir, GGUF or tiny random) and expose what heads need."""
 
 from __future__ import annotations
 
@@ -48,14 +48,18 @@ class TinyConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        for name in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+        ):
             if getattr(self, name) <= 0:
                 fail(name, getattr(self, name), "must be a positive integer")
         if self.hidden_size % self.num_attention_heads:
             fail("hidden_size", self.hidden_size, "must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
-            fail("num_key_value_heads", self.num_key_value_heads,
-                 "must divide num_attention_heads")
+            fail("num_key_value_heads", self.num_key_value_heads, "must divide num_attention_heads")
 
 
 @dataclass

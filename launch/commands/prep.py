@@ -23,16 +23,19 @@ def print_stats(stats: dict[str, Any], out: str) -> None:
     for reason, n in stats["skipped"].items():
         t.add_row(f"  skipped: {reason}", f"{n:,}")
     t.add_row("leading assistant turns dropped", f"{stats['leading_assistant_turns_dropped']:,}")
-    t.add_row(f"conversations > {stats['max_length']} tokens",
-              f"{stats['conversations_over_max_length']:,} ({stats['long_conversations']})")
+    t.add_row(
+        f"conversations > {stats['max_length']} tokens",
+        f"{stats['conversations_over_max_length']:,} ({stats['long_conversations']})",
+    )
     pct = stats["conversation_token_percentiles"]
     if pct:
-        t.add_row("conversation tokens p50 / p90 / max",
-                  f"{pct['p50']:,.0f} / {pct['p90']:,.0f} / {pct['max']:,}")
+        t.add_row(
+            "conversation tokens p50 / p90 / max",
+            f"{pct['p50']:,.0f} / {pct['p90']:,.0f} / {pct['max']:,}",
+        )
     for split, s in stats["splits"].items():
         t.add_row(f"{split}: samples", f"{s['samples']:,}")
-        t.add_row(f"{split}: tokens (trainable)",
-                  f"{s['tokens']:,} ({s['trainable_tokens']:,})")
+        t.add_row(f"{split}: tokens (trainable)", f"{s['tokens']:,} ({s['trainable_tokens']:,})")
     timing = stats.get("timing", {})
     if "total_s" in timing:
         t.add_row("time", f"{timing['total_s']:.1f} s")

