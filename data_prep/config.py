@@ -92,7 +92,7 @@ class PrepConfig:
     base: BaseConfig
     data: DataConfig
     seed: int = 0
-    num_proc: int | None = None  # tokenizer processes; default: min(cpu count, 8)
+    num_proc: int | None = None  # tokenizer processes; default: cpus / 2, at most 8
     batch_size: int = 256  # conversations per tokenizer call
     overwrite: bool = False
     regenerate: bool = False

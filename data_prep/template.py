@@ -93,6 +93,90 @@ def char_to_token(offsets: list[tuple[int, int]], pos: int) -> int:
     return bisect.bisect_left(starts, pos)
 
 
+_PLACEHOLDER = "\ue000{}\ue001"  # private-use chars: never produced by a chat template
+_SKELETONS: dict[tuple, tuple | None] = {}
+
+
+def _skeleton(tokenizer, roles: tuple[str, ...], loss_roles: tuple[str, ...]):
+    """Spans of a conversation with these roles and placeholder contents, computed once.
+
+    Returns (text, spans, user_starts, placeholder positions) or None when the template cannot
+    be laid out this way (then every conversation takes the exact per-turn path).
+    """
+    key = (id(tokenizer), tokenizer.chat_template, roles, loss_roles)
+    if key not in _SKELETONS:
+        if len(_SKELETONS) > 4096:
+            _SKELETONS.clear()
+        msgs = [{"role": r, "content": _PLACEHOLDER.format(i)} for i, r in enumerate(roles)]
+        try:
+            text, spans, starts = loss_spans(tokenizer, msgs, loss_roles)
+            pos = [text.find(m["content"]) for m in msgs]
+            ok = all(p >= 0 for p in pos) and pos == sorted(pos)
+            ok = ok and all(text.count(m["content"]) == 1 for m in msgs)
+            _SKELETONS[key] = (text, spans, starts, pos) if ok else None
+        except TemplateError:
+            _SKELETONS[key] = None
+    return _SKELETONS[key]
+
+
+def _fast_spans(tokenizer, messages, loss_roles):
+    """loss_spans() from a cached skeleton plus one render; None when it does not apply.
+
+    Chat templates are usually content-independent: the real text is the skeleton with each
+    placeholder replaced by its content, so every char position shifts by the length change of
+    the placeholders before it. One render of the real conversation verifies that assumption
+    (templates that trim or inspect content fail it and take the exact path).
+    """
+    sk = _skeleton(tokenizer, tuple(m["role"] for m in messages), loss_roles)
+    if sk is None:
+        return None
+    sk_text, sk_spans, sk_starts, pos = sk
+    text = render(tokenizer, messages)
+    parts, prev = [], 0
+    ends, deltas = [], []
+    for i, (p, m) in enumerate(zip(pos, messages, strict=True)):
+        ph = _PLACEHOLDER.format(i)
+        parts += [sk_text[prev:p], m["content"]]
+        prev = p + len(ph)
+        ends.append(prev)
+        deltas.append(len(m["content"]) - len(ph))
+    parts.append(sk_text[prev:])
+    if "".join(parts) != text:
+        return None
+    cum = np.concatenate([[0], np.cumsum(deltas)])
+
+    def shift(x: int) -> int:
+        return x + int(cum[bisect.bisect_right(ends, x)])
+
+    spans = []
+    for a, b in sk_spans:
+        a2, b2 = shift(a), shift(b)
+        while b2 > a2 and text[b2 - 1].isspace():  # as loss_spans: no trailing whitespace
+            b2 -= 1
+        if b2 > a2:
+            spans.append((a2, b2))
+    return text, spans, [shift(x) for x in sk_starts]
+
+
+def _mask_from_encoding(text: str, enc, spans: list[tuple[int, int]]) -> list[int] | None:
+    """mask_from_offsets() using the fast tokenizer's char->token index: slices, not a loop."""
+    offsets = enc.offsets
+    n = len(offsets)
+    mask = [0] * n
+    for a, b in spans:
+        t0 = enc.char_to_token(a)
+        t1 = enc.char_to_token(b - 1)
+        if t0 is None or t1 is None:
+            return None
+        while t1 + 1 < n and offsets[t1 + 1][0] < b and offsets[t1 + 1][1] > offsets[t1 + 1][0]:
+            t1 += 1  # further tokens of the same char (byte-level pieces of one character)
+        if offsets[t0][0] < a and text[offsets[t0][0] : a].strip():
+            t0 += 1  # a header piece merged into the first reply token stays context
+        if t1 >= t0:
+            mask[t0 : t1 + 1] = [1] * (t1 + 1 - t0)
+    return mask
+
+
 def encode_batch(
     tokenizer, conversations: list[list[dict[str, str]]], loss_roles: tuple[str, ...]
 ) -> list[Encoded | TemplateError]:
@@ -100,15 +184,22 @@ def encode_batch(
     rendered: list[tuple[str, list, list] | TemplateError] = []
     for msgs in conversations:
         try:
-            rendered.append(loss_spans(tokenizer, msgs, loss_roles))
+            rendered.append(
+                _fast_spans(tokenizer, msgs, loss_roles) or loss_spans(tokenizer, msgs, loss_roles)
+            )
         except TemplateError as e:
             rendered.append(e)
     texts = [r[0] for r in rendered if not isinstance(r, TemplateError)]
-    enc = (
-        tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        if texts
-        else {"input_ids": [], "offset_mapping": []}
-    )
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        encodings = backend.encode_batch(texts, add_special_tokens=False) if texts else []
+    else:
+        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        encodings = (
+            [_Slow(i, o) for i, o in zip(enc["input_ids"], enc["offset_mapping"], strict=True)]
+            if texts
+            else []
+        )
     out: list[Encoded | TemplateError] = []
     j = 0
     for r in rendered:
@@ -116,12 +207,31 @@ def encode_batch(
             out.append(r)
             continue
         text, spans, user_starts = r
-        ids = enc["input_ids"][j]
-        offsets = enc["offset_mapping"][j]
+        e = encodings[j]
         j += 1
-        mask = mask_from_offsets(text, offsets, spans)
-        out.append(Encoded(list(ids), mask, [char_to_token(offsets, p) for p in user_starts]))
+        fast = _is_fast_encoding(e)
+        mask = _mask_from_encoding(text, e, spans) if fast else None
+        offsets = None
+        if mask is None:
+            offsets = e.offsets
+            mask = mask_from_offsets(text, offsets, spans)
+        starts = [e.char_to_token(p) if fast else None for p in user_starts]
+        if any(t is None for t in starts):
+            offsets = offsets or e.offsets
+            starts = [char_to_token(offsets, p) for p in user_starts]
+        out.append(Encoded(list(e.ids), mask, starts))
     return out
+
+
+class _Slow:
+    """ids + offsets from a tokenizer without a Rust backend, shaped like a tokenizers Encoding."""
+
+    def __init__(self, ids, offsets):
+        self.ids, self.offsets = ids, offsets
+
+
+def _is_fast_encoding(e) -> bool:
+    return hasattr(e, "char_to_token")
 
 
 def chunk(enc: Encoded, max_length: int, mode: str) -> list[tuple[list[int], list[int]]] | str:

@@ -152,3 +152,47 @@ def test_chunk_split_truncate_drop(tiny_tokenizer):
     assert sum((p[0] for p in pieces), []) == enc.input_ids
     assert sum((p[1] for p in pieces), []) == enc.loss_mask
     assert all(len(p[0]) <= second_user + 5 for p in pieces)
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3", "vicuna"])
+@pytest.mark.parametrize("which", ["tiny", "smol"])
+def test_fast_path_equals_exact_path(which, template, request):
+    """The cached-skeleton spans and slice-built masks agree with the per-turn reference."""
+    from data_prep.template import _fast_spans, _mask_from_encoding, mask_from_offsets
+
+    tok = with_template(request.getfixturevalue(f"{which}_tokenizer"), template)
+    convs = [
+        *CONVS,
+        [
+            {"role": "user", "content": "  padded  "},
+            {"role": "assistant", "content": " lead and trail \n"},
+        ],
+    ]
+    for msgs in convs:
+        exact = loss_spans(tok, msgs, ("assistant",))
+        fast = _fast_spans(tok, msgs, ("assistant",))
+        if fast is None:  # only templates that rewrite content may fall back
+            assert template == "llama3" and msgs is convs[-1]
+            continue
+        assert fast == exact
+        text, spans, _ = exact
+        enc = tok.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0]
+        assert _mask_from_encoding(text, enc, spans) == mask_from_offsets(text, enc.offsets, spans)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(text, text), min_size=1, max_size=4), st.booleans())
+def test_fast_path_property(tiny_tokenizer, pairs, system):
+    from data_prep.template import _fast_spans, _mask_from_encoding, mask_from_offsets
+
+    msgs = [{"role": "system", "content": "sys"}] if system else []
+    msgs += [
+        m
+        for q, a in pairs
+        for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})
+    ]
+    exact = loss_spans(tiny_tokenizer, msgs, ("assistant",))
+    assert _fast_spans(tiny_tokenizer, msgs, ("assistant",)) == exact
+    text, spans, _ = exact
+    enc = tiny_tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0]
+    assert _mask_from_encoding(text, enc, spans) == mask_from_offsets(text, enc.offsets, spans)
