@@ -28,6 +28,8 @@ test-fast: setup
 
 demo: setup
 	$(BIN)/hydra-heads prep data.max_conversations=2000 out=$(DEMO)/data overwrite=true
+	rm -rf $(DEMO)/train
+	$(BIN)/hydra-heads train experiment=smollm2_cpu data.prepared=$(DEMO)/data out=$(DEMO)/train
 
 lint: setup
 	$(BIN)/ruff check .

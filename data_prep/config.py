@@ -97,6 +97,10 @@ class PrepConfig:
     overwrite: bool = False
     regenerate: bool = False
     regen: RegenConfig = field(default_factory=RegenConfig)
+    # Offline training: store the base's last hidden state (fp16) for every token.
+    cache_hidden: bool = False
+    cache_batch_size: int = 4
+    cache_device: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -105,3 +109,5 @@ class PrepConfig:
             fail("num_proc", self.num_proc, "a positive integer or null (auto)")
         if self.batch_size < 1:
             fail("batch_size", self.batch_size, "a positive integer")
+        if self.cache_batch_size < 1:
+            fail("cache_batch_size", self.cache_batch_size, "a positive integer")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 
 from data_prep.config import DataConfig, PrepConfig
 from data_prep.normalize import (
@@ -347,6 +348,14 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
         _deterministic_fingerprint(part, f"{split}:{cfg.seed}")
         split_ds[split] = part
     dd = DatasetDict(split_ds)
+    if cfg.cache_hidden:
+        from data_prep.hidden import cache_hidden_states
+
+        t0 = time.perf_counter()
+        dd = cache_hidden_states(
+            dd, cfg.base, cfg.cache_batch_size, _regen_device(cfg.cache_device)
+        )
+        timing["cache_hidden_s"] = time.perf_counter() - t0
 
     stats = _stats(cfg, read_info, skips, kept, dd, conv_lengths)
     build = partial / f"build-{os.getpid()}"
@@ -417,6 +426,14 @@ def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths: list[int]) ->
             "length_percentiles": _percentiles(list(part["length"])),
         }
     pieces = kept["piece"]
+    max_id = max(
+        (
+            int(pc.max(part.data.column("input_ids").combine_chunks().flatten()).as_py() or 0)
+            for part in dd.values()
+            if len(part)
+        ),
+        default=0,
+    )
     return {
         "input": read_info["input"],
         "base": cfg.base.name,
@@ -435,8 +452,10 @@ def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths: list[int]) ->
         "long_conversations": cfg.data.long_conversations,
         "packed": cfg.data.pack,
         "regenerated": cfg.regenerate,
+        "cached_hidden": cfg.cache_hidden,
         "tokens_total": sum(s["tokens"] for s in per_split.values()),
         "trainable_tokens_total": sum(s["trainable_tokens"] for s in per_split.values()),
         "splits": per_split,
         "seed": cfg.seed,
+        "max_token_id": max_id,  # train checks it against the base vocab
     }

@@ -33,8 +33,20 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from data_prep.readers import DataError
     from data_prep.template import TemplateError
     from train.base import BaseLoadError
+    from train.checkpoint import HeadsMismatchError
+    from train.data import PreparedDataError
 
-    return (ConfigError, DataError, PrepError, BaseLoadError, TemplateError, FileNotFoundError)
+    return (
+        ConfigError,
+        DataError,
+        PrepError,
+        BaseLoadError,
+        TemplateError,
+        FileNotFoundError,
+        FileExistsError,
+        PreparedDataError,
+        HeadsMismatchError,
+    )
 
 
 def to_typed(cfg: Any, cls: type[T]) -> T:

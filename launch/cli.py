@@ -8,6 +8,7 @@ import sys
 # name -> (module with CONFIG_NAME and run(cfg), one-line help). One module per subcommand.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prep": ("launch.commands.prep", "chat data -> tokenized, loss-masked Arrow shards + stats"),
+    "train": ("launch.commands.train", "train Medusa / Hydra / Hydra++ heads on prepared data"),
 }
 
 USAGE = """usage: hydra-heads <subcommand> [key=value ...] [hydra flags]

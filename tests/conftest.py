@@ -120,3 +120,48 @@ def smol_tokenizer():
     from train.base import load_tokenizer
 
     return load_tokenizer(prep_config(["out=unused"]).base)
+
+
+def train_config(overrides: list[str]):
+    """A validated TrainConfig composed from conf/train.yaml + overrides."""
+    from launch.app import to_typed
+    from train.recipe import TrainConfig
+
+    return to_typed(compose("train", overrides), TrainConfig)
+
+
+def pattern_rows(n: int = 60) -> list[dict]:
+    """Chats whose replies follow a learnable rule (counting), as ShareGPT records."""
+    import random
+
+    rng = random.Random(0)
+    rows = []
+    for i in range(n):
+        a, step = rng.randint(0, 9), rng.choice([1, 2, 3])
+        reply = " ".join(str((a + step * j) % 10) for j in range(24))
+        rows.append(
+            conv(("human", f"count from {a} by {step}, take {i}"), ("gpt", reply), cid=f"p{i}")
+        )
+    return rows
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared(tmp_path_factory) -> Path:
+    """A small prepared dataset for the tiny tokenizer, with cached hidden states."""
+    from data_prep.prepare import prepare
+
+    root = tmp_path_factory.mktemp("prepared")
+    data = root / "pattern.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in pattern_rows()))
+    cfg = prep_config(
+        [
+            "base=tiny_random",
+            "data=jsonl",
+            f"data.path={data}",
+            f"out={root / 'out'}",
+            "data.val_fraction=0.15",
+            "cache_hidden=true",
+        ]
+    )
+    prepare(cfg)
+    return root / "out"

@@ -8,11 +8,20 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from launch.app import conf_dir
+from launch.app import conf_dir, to_typed
 from tests.conftest import compose, prep_config
 from train.config import ConfigError
 
-PRIMARY = {"prep": "launch.commands.prep"}
+PRIMARY = {"prep": "launch.commands.prep", "train": "launch.commands.train"}
+# Which subcommand composes each config group (the first one listed is used in the test).
+USERS = {
+    "base": ["prep", "train"],
+    "data": ["prep"],
+    "head": ["train"],
+    "trainer": ["train"],
+    "logger": ["train"],
+    "experiment": ["train"],
+}
 GROUPS = sorted(p.name for p in conf_dir().iterdir() if p.is_dir())
 
 
@@ -27,16 +36,36 @@ def test_every_primary_config_is_a_subcommand():
     assert primaries == set(PRIMARY) == set(SUBCOMMANDS)
 
 
+def test_every_group_is_used():
+    assert set(GROUPS) == set(USERS)
+
+
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_group_option_composes_and_validates(group):
+    from train.recipe import TrainConfig
+
     options = _options(group)
     assert options, f"conf/{group} is empty"
     for option in options:
-        overrides = [f"{group}={option}", "out=/tmp/x"]
-        if group == "data" and "path: ???" in (conf_dir() / group / f"{option}.yaml").read_text():
-            overrides.append(f"data.path={Path(__file__)}")
-        cfg = prep_config(overrides)
-        assert getattr(cfg, group).name == option
+        for primary in USERS[group]:
+            overrides = [f"{group}={option}", "out=/tmp/x"]
+            text = (conf_dir() / group / f"{option}.yaml").read_text()
+            if group == "data" and "path: ???" in text:
+                overrides.append(f"data.path={Path(__file__)}")
+            if primary == "train":
+                overrides.append("data.prepared=/tmp/p")
+                cfg = to_typed(compose("train", overrides), TrainConfig)
+            else:
+                cfg = prep_config(overrides)
+            if group == "experiment":
+                continue  # overrides only: composing and validating above is the check
+            value = getattr(cfg, group)
+            if group in ("base", "data", "head"):
+                assert value.name == option
+            elif group == "logger" and option == "none":
+                assert value is None
+            else:
+                assert value["_target_"].startswith("lightning.pytorch.")
 
 
 @pytest.mark.parametrize(
@@ -57,6 +86,27 @@ def test_every_group_option_composes_and_validates(group):
 def test_bad_values_name_the_key_and_what_is_allowed(override, key, fix):
     with pytest.raises(ConfigError) as e:
         prep_config(["out=/tmp/x", override])
+    msg = str(e.value)
+    assert f"'{key}'" in msg and fix in msg, msg
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fix"),
+    [
+        ("head.num_heads=0", "head.num_heads", "[1, 16]"),
+        ("head.loss.temperature=0", "head.loss.temperature", "> 0"),
+        ("head.loss.head_weighting=linear", "head.loss.head_weighting", "'constant'"),
+        ("optim.lr=-1", "optim.lr", "> 0"),
+        ("data.batch_size=0", "data.batch_size", "positive"),
+        ("trainer.max_steps=-1", "trainer.max_steps", "positive integer"),
+        ("checkpoint_every=0", "checkpoint_every", "positive"),
+    ],
+)
+def test_bad_train_values_name_the_key(override, key, fix):
+    from train.recipe import TrainConfig
+
+    with pytest.raises(ConfigError) as e:
+        to_typed(compose("train", ["out=/tmp/x", "data.prepared=/tmp/p", override]), TrainConfig)
     msg = str(e.value)
     assert f"'{key}'" in msg and fix in msg, msg
 

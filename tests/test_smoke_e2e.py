@@ -43,3 +43,40 @@ def test_prep_on_bundled_sharegpt_with_smollm2(tmp_path):
             runs.append(cur)
             cur = []
     assert runs and all(tok.decode(x).endswith("<|im_end|>") for x in runs)
+
+
+def test_prep_then_train_hydra_pp_on_smollm2(tmp_path):
+    """Real base, real data: a few Hydra++ steps, heads exported and loadable on SmolLM2."""
+    data = tmp_path / "data"
+    r = run(
+        "prep",
+        "data.max_conversations=40",
+        "data.max_length=256",
+        "data.val_fraction=0.2",
+        f"out={data}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "train"
+    r = run(
+        "train",
+        "experiment=smollm2_cpu",
+        f"data.prepared={data}",
+        f"out={out}",
+        "trainer.max_steps=3",
+        "data.batch_size=2",
+        "head.draft_vocab_size=2048",
+        "data.max_val_samples=4",
+        "trainer.val_check_interval=1000",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "heads after 3 steps" in r.stdout and "acceptance estimate" in r.stdout
+    from tests.conftest import prep_config
+    from train.base import load_base
+    from train.checkpoint import load_heads
+
+    base = load_base(prep_config(["out=x"]).base)
+    heads, meta = load_heads(out / "heads", base.fingerprint())
+    assert meta["arch"] == "hydra_pp" and meta["draft_vocab_size"] == 2048
+    assert meta["training"]["steps"] == 3
+    assert 0.0 <= meta["training"]["validation"]["val/top1_base_h1"] <= 1.0
+    assert (out / "config.yaml").is_file() and list(out.glob("logs/*/metrics.csv"))

@@ -1,0 +1,167 @@
+"""Heads checkpoints: round trip, base mismatch errors, kill -9 and resume == uninterrupted."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import train_config
+from train.base import BaseConfig, load_base
+from train.checkpoint import HeadsMismatchError, heads_meta, load_heads, save_heads
+from train.heads import HeadConfig, base_shape, build_heads
+
+CLI = str(Path(sys.executable).parent / "hydra-heads")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_base(BaseConfig(name="tiny_random", source="tiny_random"))
+
+
+@pytest.mark.parametrize("name", ["medusa", "hydra", "hydra_pp"])
+def test_save_load_round_trip(tmp_path, tiny, name):
+    draft = torch.arange(0, 259, 3)
+    heads = build_heads(
+        HeadConfig(name=name, num_heads=3, num_layers=2, draft_vocab_size=87),
+        base_shape(tiny.config),
+        tiny.lm_head.weight,
+        draft,
+    )
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    save_heads(tmp_path / "h", heads, heads_meta(heads, tiny.fingerprint(), {"name": "tiny"}))
+    assert {p.name for p in (tmp_path / "h").iterdir()} == {
+        "heads.safetensors",
+        "heads_config.json",
+    }
+    loaded, meta = load_heads(tmp_path / "h", tiny.fingerprint())
+    assert meta["arch"] == name and meta["draft_vocab_size"] == 87
+    x = torch.randn(1, 6, 64)
+    e = torch.randn(1, 6, 64)
+    heads.eval()
+    for a, b in zip(heads(x, e), loaded(x, e), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(loaded.draft.to_full, draft)
+
+
+def test_loading_onto_another_base_names_both_shapes(tmp_path, tiny):
+    heads = build_heads(
+        HeadConfig(name="hydra", num_heads=2), base_shape(tiny.config), tiny.lm_head.weight
+    )
+    save_heads(tmp_path / "h", heads, heads_meta(heads, tiny.fingerprint(), {"name": "tiny"}))
+    other = dict(tiny.fingerprint(), hidden_size=576, vocab_size=49152, name="smollm2_135m")
+    with pytest.raises(HeadsMismatchError) as e:
+        load_heads(tmp_path / "h", other)
+    msg = str(e.value)
+    assert "hidden_size=64, vocab_size=259" in msg and "hidden_size=576, vocab_size=49152" in msg
+
+
+def test_missing_checkpoint_files_are_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is not a heads checkpoint"):
+        load_heads(tmp_path)
+
+
+def _losses(run: Path) -> dict[int, float]:
+    out = {}
+    for f in sorted(run.glob("logs/version_*/metrics.csv")):
+        with open(f) as fh:
+            for row in csv.DictReader(fh):
+                if row.get("train/loss"):
+                    out[int(row["step"])] = float(row["train/loss"])
+    return out
+
+
+def _train_cmd(prepared: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        CLI,
+        "train",
+        "base=tiny_random",
+        f"data.prepared={prepared}",
+        f"out={out}",
+        "head=hydra_pp",
+        "head.num_heads=2",
+        "head.noise_alpha=5",
+        "head.dropout=0.1",
+        "trainer.max_steps=40",
+        "checkpoint_every=4",
+        "trainer.val_check_interval=1000",
+        "final_validation=false",
+        "data.batch_size=2",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_run_resumes_with_the_same_next_losses(tiny_prepared, tmp_path, sig):
+    """Noise and dropout on: the RNG, data position, optimizer and schedule all resume."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    ref = tmp_path / "ref"
+    subprocess.run(
+        _train_cmd(tiny_prepared, ref), check=True, env=env, capture_output=True, timeout=600
+    )
+    want = _losses(ref)
+    assert len(want) == 40
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        _train_cmd(tiny_prepared, run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.time() + 300
+    while not list((run / "checkpoints").glob("step*.ckpt")):
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)
+    proc.send_signal(sig)
+    proc.wait(timeout=120)
+    before = _losses(run)
+    assert 0 < len(before) < 40, "the run was not interrupted mid-way"
+    r = subprocess.run(
+        _train_cmd(tiny_prepared, run, "resume=true"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = _losses(run)
+    resumed = sorted(set(after) - set(before)) or sorted(after)
+    assert resumed[-1] == 39 and len(resumed) >= 5
+    for step in resumed:
+        assert after[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
+    meta = json.loads((run / "heads" / "heads_config.json").read_text())
+    assert meta["training"]["steps"] == 40
+
+
+def test_resume_without_checkpoints_and_rerun_without_resume_fail_clearly(tiny_prepared, tmp_path):
+    from train.recipe import fit
+
+    cfg = train_config(
+        [
+            "base=tiny_random",
+            f"data.prepared={tiny_prepared}",
+            f"out={tmp_path / 'x'}",
+            "resume=true",
+            "logger=none",
+        ]
+    )
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        fit(cfg, lambda **k: None)
+    (tmp_path / "x" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "x" / "checkpoints" / "last.ckpt").write_bytes(b"truncated")
+    with pytest.raises(FileNotFoundError, match="no readable checkpoint"):
+        fit(cfg, lambda **k: None)
+    cfg.resume = False
+    with pytest.raises(FileExistsError, match="resume=true"):
+        fit(cfg, lambda **k: None)

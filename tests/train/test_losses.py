@@ -1,0 +1,64 @@
+"""The chunked loss equals the naive one (values and gradients), and scores what it should."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.losses import fused_head_loss, naive_head_losses
+
+
+@pytest.mark.parametrize(("lm", "kl", "T"), [(1.0, 0.0, 1.0), (0.0, 1.0, 1.0), (0.3, 1.0, 2.0)])
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_chunked_equals_naive_loss_and_gradients(lm, kl, T, chunk):
+    torch.manual_seed(0)
+    K, N, H, V = 3, 29, 12, 40
+    states = [torch.randn(N, H, requires_grad=True) for _ in range(K)]
+    weights = [torch.randn(V, H, requires_grad=True) for _ in range(K)]
+    targets = [torch.randint(-1, V, (N,)) for _ in range(K)]  # -1: outside the head's vocab
+    teacher = [torch.randn(N, H) for _ in range(K)]
+    tw = torch.randn(V, H)
+    hw = [1.0, 0.8, 0.64]
+    ref = naive_head_losses(states, weights, targets, teacher, tw, lm, kl, T, hw)
+    g_ref = torch.autograd.grad(ref, states + weights)
+    total = sum(
+        hw[k]
+        * fused_head_loss(
+            states[k], weights[k], targets[k], targets[k], teacher[k], tw, lm, kl, T, chunk
+        ).loss
+        for k in range(K)
+    )
+    g = torch.autograd.grad(total, states + weights)
+    assert torch.allclose(total, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g, g_ref, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_counts_top1_top5():
+    H, V = 4, 10
+    w = torch.eye(V, H) * 10  # token v scores highest for state e_v (v < H)
+    state = torch.eye(H)  # argmax = 0, 1, 2, 3
+    target = torch.tensor([0, 1, 9, -1])
+    base = torch.tensor([0, 5, 2, 3])
+    out = fused_head_loss(state, w, target, base, lm_weight=1.0, distill_weight=0.0)
+    c = out.counts.tolist()
+    assert c[0] == 2  # top-1 vs true: positions 0, 1
+    assert c[2] == 3  # top-1 vs base argmax: positions 0, 2, 3
+    assert out.n == 4
+
+
+def test_perfect_student_has_zero_kl():
+    torch.manual_seed(0)
+    s = torch.randn(8, 6)
+    w = torch.randn(20, 6)
+    out = fused_head_loss(
+        s,
+        w,
+        torch.zeros(8, dtype=torch.long),
+        torch.zeros(8, dtype=torch.long),
+        teacher_state=s,
+        teacher_weight=w,
+        lm_weight=0.0,
+        distill_weight=1.0,
+    )
+    assert float(out.loss) == pytest.approx(0.0, abs=1e-6)

@@ -1,0 +1,158 @@
+"""Training on tiny_random: every head learns, the base stays frozen, offline == online."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import train_config
+from train.heads import HEADS
+from train.recipe import build_module
+
+
+def _cfg(prepared, tmp_path, *extra):
+    return train_config(
+        [
+            "base=tiny_random",
+            f"data.prepared={prepared}",
+            f"out={tmp_path / 'run'}",
+            "logger=none",
+            "trainer.max_steps=25",
+            "data.batch_size=4",
+            "optim.lr=3e-3",
+            "optim.warmup_steps=2",
+            *extra,
+        ]
+    )
+
+
+class LossLog:
+    def __init__(self):
+        self.losses = []
+
+    def __call__(self, module):
+        import lightning.pytorch as pl
+
+        log = self
+
+        class CB(pl.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                log.losses.append(float(outputs["loss"]))
+
+        return CB()
+
+
+def _fit(module, dm, steps, callbacks=()):
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(module, datamodule=dm)
+    return trainer
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_every_head_learns_and_the_base_stays_frozen(tiny_prepared, tmp_path, name):
+    cfg = _cfg(tiny_prepared, tmp_path, f"head={name}", "head.num_heads=2")
+    module, dm, _ = build_module(cfg)
+    base_before = {k: v.clone() for k, v in module.base_model.state_dict().items()}
+    log = LossLog()
+    trainer = _fit(module, dm, 25, [log(module)])
+    first, last = sum(log.losses[:5]) / 5, sum(log.losses[-5:]) / 5
+    assert last < 0.8 * first, log.losses
+    after = module.base_model.state_dict()
+    assert all(torch.equal(base_before[k], after[k]) for k in base_before)
+    assert all(not p.requires_grad for p in module.base_model.parameters())
+    assert not module.base_model.training
+    opt_params = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+    assert opt_params == {id(p) for p in module.heads.parameters()}
+
+
+def test_offline_equals_online_on_the_same_batch(tiny_prepared, tmp_path):
+    online, dm, _ = build_module(_cfg(tiny_prepared, tmp_path))
+    offline, dm_off, _ = build_module(_cfg(tiny_prepared, tmp_path, "data.offline=true"))
+    offline.heads.load_state_dict(online.heads.state_dict())
+    assert offline.base_model is None
+    dm.setup()
+    dm_off.setup()
+    batch_on = next(iter(dm.train_dataloader()))
+    batch_off = next(iter(dm_off.train_dataloader()))
+    assert torch.equal(batch_on["input_ids"], batch_off["input_ids"])
+    assert "hidden" in batch_off and "hidden" not in batch_on
+    loss_on, heads_on = online.compute(batch_on)
+    loss_off, heads_off = offline.compute(batch_off)
+    assert torch.allclose(loss_on, loss_off, rtol=2e-3, atol=1e-4)
+    for a, b in zip(heads_on, heads_off, strict=True):
+        assert a["n"] == b["n"]
+
+
+def test_offline_needs_cached_states(tmp_path):
+    import json
+
+    from data_prep.prepare import prepare
+    from tests.conftest import pattern_rows, prep_config
+    from train.data import PreparedDataError
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in pattern_rows(10)))
+    prepare(
+        prep_config(
+            ["base=tiny_random", "data=jsonl", f"data.path={data}", f"out={tmp_path / 'p'}"]
+        )
+    )
+    with pytest.raises(PreparedDataError, match="cache_hidden=true"):
+        build_module(_cfg(tmp_path / "p", tmp_path, "data.offline=true"))
+
+
+def test_prepared_dir_errors(tmp_path):
+    from train.data import PreparedDataError
+
+    with pytest.raises(PreparedDataError, match="does not exist"):
+        build_module(_cfg(tmp_path / "nope", tmp_path))
+    (tmp_path / "half").mkdir()
+    with pytest.raises(PreparedDataError, match="not a complete"):
+        build_module(_cfg(tmp_path / "half", tmp_path))
+
+
+def test_data_prepared_for_another_tokenizer_is_refused(tiny_prepared, tmp_path):
+    from train.data import PreparedDataError, load_prepared
+
+    with pytest.raises(PreparedDataError, match="another tokenizer"):
+        load_prepared(tiny_prepared, vocab_size=100)
+
+
+def test_bucket_sampler_is_deterministic_and_splits_ranks():
+    import numpy as np
+
+    from train.data import BucketBatchSampler
+
+    lengths = np.random.default_rng(0).integers(5, 100, 103)
+    a = list(BucketBatchSampler(lengths, 4, seed=1, bucket_batches=4))
+    assert a == list(BucketBatchSampler(lengths, 4, seed=1, bucket_batches=4))
+    s = BucketBatchSampler(lengths, 4, seed=1, bucket_batches=4)
+    s.set_epoch(1)
+    assert list(s) != a
+    r0 = list(BucketBatchSampler(lengths, 4, 1, bucket_batches=4, rank=0, world=2))
+    r1 = list(BucketBatchSampler(lengths, 4, 1, bucket_batches=4, rank=1, world=2))
+    assert len(r0) == len(r1) == len(a) // 2
+    assert not {i for b in r0 for i in b} & {i for b in r1 for i in b}
+    # Within a bucket, batches hold similar lengths: far less padding than random batches.
+    pad = sum(max(lengths[b]) * len(b) - sum(lengths[b]) for b in a)
+    rnd = np.random.default_rng(0).permutation(103)
+    pad_rnd = sum(
+        max(lengths[rnd[i : i + 4]]) * 4 - sum(lengths[rnd[i : i + 4]]) for i in range(0, 100, 4)
+    )
+    assert pad < 0.5 * pad_rnd
+    skip = BucketBatchSampler(lengths, 4, seed=1, bucket_batches=4)
+    skip.skip = 5
+    assert list(skip) == a[5:]

@@ -1,0 +1,268 @@
+"""Training data: read `prep` output, length-bucketed batches per rank, padding, resumable order."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from train.config import fail
+
+REQUIRED_COLUMNS = ("input_ids", "loss_mask", "length", "seq_lens")
+
+
+class PreparedDataError(RuntimeError):
+    """data.prepared does not point at a complete, compatible `hydra-heads prep` output."""
+
+
+@dataclass
+class TrainDataConfig:
+    """Where training data comes from and how it is batched (`data:` in conf/train.yaml)."""
+
+    prepared: str  # the out= dir of `hydra-heads prep`
+    offline: bool = False  # train from cached base hidden states (prep cache_hidden=true)
+    batch_size: int = 4  # sequences per device per step
+    val_batch_size: int | None = None
+    max_length: int | None = None  # cut longer samples (default: as prepared)
+    bucket_batches: int = 32  # batches per length bucket: larger = less padding, less mixing
+    shuffle: bool = True
+    num_workers: int = 0
+    max_val_samples: int | None = 256
+
+    def __post_init__(self) -> None:
+        if not self.prepared:
+            fail("prepared", self.prepared, "the output dir of `hydra-heads prep`")
+        for k in ("batch_size", "bucket_batches"):
+            if getattr(self, k) < 1:
+                fail(k, getattr(self, k), "a positive integer")
+        if self.val_batch_size is not None and self.val_batch_size < 1:
+            fail("val_batch_size", self.val_batch_size, "a positive integer or null")
+        if self.max_length is not None and self.max_length < 8:
+            fail("max_length", self.max_length, "null or an integer >= 8")
+        if self.num_workers < 0:
+            fail("num_workers", self.num_workers, "an integer >= 0")
+        if self.max_val_samples is not None and self.max_val_samples < 1:
+            fail("max_val_samples", self.max_val_samples, "null (all) or a positive integer")
+
+
+def load_prepared(path: str | Path, vocab_size: int | None = None, offline: bool = False):
+    """The DatasetDict written by `prep`, checked to be complete and to fit the base's vocab."""
+    import datasets
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise PreparedDataError(
+            f"data.prepared={p} does not exist; create it with `hydra-heads prep out={p}`"
+        )
+    if not (p / "prep_stats.json").is_file() or not (p / "dataset_dict.json").is_file():
+        raise PreparedDataError(
+            f"data.prepared={p} is not a complete `hydra-heads prep` output (no prep_stats.json "
+            "or dataset_dict.json; an interrupted prep never publishes one); run prep again"
+        )
+    dd = datasets.load_from_disk(str(p))
+    if "train" not in dd:
+        raise PreparedDataError(f"data.prepared={p} has no train split ({list(dd)})")
+    missing = [c for c in REQUIRED_COLUMNS if c not in dd["train"].column_names]
+    if missing:
+        raise PreparedDataError(f"data.prepared={p} lacks columns {missing}; re-run prep")
+    if offline and "hidden" not in dd["train"].column_names:
+        raise PreparedDataError(
+            f"data.offline=true needs cached hidden states, but {p} has none; prepare with "
+            "`hydra-heads prep cache_hidden=true ...` or set data.offline=false"
+        )
+    if vocab_size is not None:
+        stats = json.loads((p / "prep_stats.json").read_text())
+        top = stats.get("max_token_id")
+        if top is not None and top >= vocab_size:
+            raise PreparedDataError(
+                f"data.prepared={p} holds token id {top} but the base vocab has {vocab_size} "
+                f"tokens: it was prepared for another tokenizer (base={stats.get('base')})"
+            )
+    return dd
+
+
+def token_counts(ds, vocab_size: int) -> torch.Tensor:
+    """How often each token is a training target (loss_mask == 1) in `ds`."""
+    table = ds.data.table if hasattr(ds.data, "table") else ds.data
+    ids = table.column("input_ids").combine_chunks().flatten().to_numpy()
+    mask = table.column("loss_mask").combine_chunks().flatten().to_numpy().astype(bool)
+    return torch.from_numpy(np.bincount(ids[mask], minlength=vocab_size)[:vocab_size])
+
+
+class BucketBatchSampler(Sampler[list[int]]):
+    """Seeded batches of similar-length samples; each rank takes its own share of batches.
+
+    Per epoch: shuffle (seed + epoch), cut into buckets of `bucket_batches` batches, sort each
+    bucket by length, cut into batches, shuffle the batch order, then rank r takes batches
+    r, r + world, ... (all ranks get the same count). `skip` batches of the first epoch
+    iterated are dropped: that is how a resumed run continues mid-epoch.
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        bucket_batches: int = 32,
+        rank: int = 0,
+        world: int = 1,
+    ):
+        self.lengths = np.asarray(lengths)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.bucket = bucket_batches * batch_size
+        self.rank, self.world = rank, world
+        self.epoch = 0
+        self.skip = 0
+        if len(self._all_batches(0)) < world:
+            raise PreparedDataError(
+                f"{len(self.lengths)} samples make fewer batches of {batch_size} than there are "
+                f"processes ({world}); lower data.batch_size or prepare more data"
+            )
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _all_batches(self, epoch: int) -> list[np.ndarray]:
+        n = len(self.lengths)
+        rng = np.random.default_rng([self.seed, epoch])
+        idx = rng.permutation(n) if self.shuffle else np.arange(n)
+        batches = []
+        for a in range(0, n, self.bucket):
+            part = idx[a : a + self.bucket]
+            part = part[np.argsort(self.lengths[part], kind="stable")]
+            batches += [part[i : i + self.batch_size] for i in range(0, len(part), self.batch_size)]
+        if self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        return batches
+
+    def __len__(self) -> int:
+        return len(self._all_batches(0)) // self.world
+
+    def __iter__(self):
+        per = len(self)
+        mine = self._all_batches(self.epoch)[self.rank :: self.world][:per]
+        skip, self.skip = self.skip, 0
+        for b in mine[skip:]:
+            yield b.tolist()
+
+
+def collate(cols: dict[str, Any], pad_id: int, max_length: int | None) -> dict:
+    """Right-padded tensors: input_ids, attention_mask, loss_mask, segment_ids (+ hidden).
+
+    cols: a batch of rows as columns (what `datasets` returns for a list of indices).
+    """
+    ids_rows = cols["input_ids"]
+    lens = [min(len(x), max_length or 1 << 30) for x in ids_rows]
+    T, B = max(lens), len(ids_rows)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    lmask = torch.zeros((B, T), dtype=torch.bool)
+    seg = torch.full((B, T), -1, dtype=torch.long)
+    hidden = None
+    if "hidden" in cols:
+        hidden = torch.zeros((B, T, np.asarray(cols["hidden"][0]).shape[-1]))
+    for i, n in enumerate(lens):
+        ids[i, :n] = torch.from_numpy(np.asarray(ids_rows[i][:n], dtype=np.int64))
+        attn[i, :n] = 1
+        lmask[i, :n] = torch.from_numpy(np.asarray(cols["loss_mask"][i][:n]) > 0)
+        seg_lens = np.asarray(cols["seq_lens"][i])
+        seg[i, :n] = torch.from_numpy(np.repeat(np.arange(len(seg_lens)), seg_lens)[:n])
+        if hidden is not None:
+            hidden[i, :n] = torch.from_numpy(np.asarray(cols["hidden"][i][:n], dtype=np.float32))
+    out = {"input_ids": ids, "attention_mask": attn, "loss_mask": lmask, "segment_ids": seg}
+    if hidden is not None:
+        out["hidden"] = hidden
+    return out
+
+
+class _Batches(torch.utils.data.Dataset):
+    """A datasets.Dataset read one whole batch of indices at a time (one Arrow take per batch)."""
+
+    def __init__(self, ds, pad_id: int, max_length: int | None, with_hidden: bool = False):
+        cols = ["input_ids", "loss_mask", "seq_lens"] + (["hidden"] if with_hidden else [])
+        self.ds = ds.with_format("numpy", columns=cols)
+        self.pad_id, self.max_length = pad_id, max_length
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, indices: list[int]) -> dict:
+        return collate(self.ds[indices], self.pad_id, self.max_length)
+
+
+class PreparedDataModule(pl.LightningDataModule):
+    """Serves `prep` output to Lightning: length-bucketed, padded, deterministic, resumable."""
+
+    def __init__(self, cfg: TrainDataConfig, pad_id: int, seed: int, vocab_size: int):
+        super().__init__()
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.dd = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.dd is None:
+            self.dd = load_prepared(self.cfg.prepared, self.vocab_size, self.cfg.offline)
+
+    def _loader(self, ds, batch_sampler) -> DataLoader:
+        # The sampler yields whole batches of indices; batch_size=None hands each to _Batches.
+        return DataLoader(
+            _Batches(ds, self.pad_id, self.cfg.max_length, with_hidden=self.cfg.offline),
+            sampler=batch_sampler,
+            batch_size=None,
+            generator=torch.Generator().manual_seed(self.seed),  # leave the global RNG alone
+            num_workers=self.cfg.num_workers,
+            persistent_workers=self.cfg.num_workers > 0,
+        )
+
+    def _rank_world(self) -> tuple[int, int]:
+        t = getattr(self, "trainer", None)
+        return (t.global_rank, t.world_size) if t is not None else (0, 1)
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        rank, world = self._rank_world()
+        ds = self.dd["train"]
+        sampler = BucketBatchSampler(
+            np.asarray(ds["length"]),
+            self.cfg.batch_size,
+            self.seed,
+            self.cfg.shuffle,
+            self.cfg.bucket_batches,
+            rank,
+            world,
+        )
+        t = getattr(self, "trainer", None)
+        if t is not None and t.global_step > 0:
+            # Resumed run: skip the batches this epoch already consumed before the checkpoint.
+            done = t.global_step * t.accumulate_grad_batches
+            sampler.set_epoch(t.current_epoch)
+            sampler.skip = max(0, done - t.current_epoch * len(sampler))
+        return self._loader(ds, sampler)
+
+    def val_dataloader(self) -> DataLoader | list:
+        self.setup()
+        if "validation" not in self.dd or len(self.dd["validation"]) == 0:
+            return []
+        ds = self.dd["validation"]
+        rank, world = self._rank_world()
+        if self.cfg.max_val_samples is not None:
+            ds = ds.select(range(min(len(ds), self.cfg.max_val_samples)))
+        bs = self.cfg.val_batch_size or self.cfg.batch_size
+        if math.ceil(len(ds) / bs) < world:
+            return []
+        sampler = BucketBatchSampler(
+            np.asarray(ds["length"]), bs, self.seed, False, self.cfg.bucket_batches, rank, world
+        )
+        return self._loader(ds, sampler)

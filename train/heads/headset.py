@@ -1,0 +1,139 @@
+"""The interface every head architecture implements: teacher-forced training and tree proposal."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from train.heads.blocks import DraftVocab, HeadConfig, neftune_noise
+
+
+class HeadSet(nn.Module):
+    """K draft heads over a frozen base model. Head k (1-based) predicts x_{t+k+1} at position t.
+
+    Subclasses define `context` (what the heads read at each position: the base hidden state,
+    or Hydra++'s extra decoder layer over it) and `head_input` (what head k sees: the context
+    alone for Medusa, the context plus embeddings of the k tokens before its target for Hydra).
+    """
+
+    arch: str = ""
+    uses_path: bool = False  # True when head k is conditioned on the tokens before its target
+
+    def __init__(
+        self,
+        cfg: HeadConfig,
+        hidden_size: int,
+        vocab_size: int,
+        lm_head_weight: torch.Tensor,
+        draft_ids: torch.Tensor | None = None,
+        base_shape: dict | None = None,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.base_shape = dict(base_shape or {})
+        if tuple(lm_head_weight.shape) != (vocab_size, hidden_size):
+            raise ValueError(
+                f"lm_head weight has shape {tuple(lm_head_weight.shape)}, expected "
+                f"({vocab_size}, {hidden_size}); under ZeRO-3 gather it before building heads"
+            )
+        self.draft = DraftVocab(draft_ids, vocab_size) if draft_ids is not None else None
+        rows = (
+            lm_head_weight.detach()
+            if self.draft is None
+            else lm_head_weight.detach()[self.draft.to_full]
+        )
+        out = rows.shape[0]
+        self.lm_heads = nn.ModuleList()
+        for _ in range(cfg.num_heads):
+            lin = nn.Linear(hidden_size, out, bias=False)
+            with torch.no_grad():
+                lin.weight.copy_(rows.to(lin.weight.dtype))
+            self.lm_heads.append(lin)
+
+    @property
+    def num_heads(self) -> int:
+        return self.cfg.num_heads
+
+    @property
+    def out_vocab_size(self) -> int:
+        return self.draft.size if self.draft is not None else self.vocab_size
+
+    # -- what subclasses define -------------------------------------------------------------
+    def context(self, hidden: torch.Tensor, cache=None, positions=None) -> torch.Tensor:
+        """(B, T, H) base hidden states -> (B, T, H) head context. Causal in T."""
+        return hidden
+
+    def head_input(self, k: int, ctx: torch.Tensor, path: torch.Tensor | None) -> torch.Tensor:
+        """Input of head k (0-based) from context (..., H) and path embeddings (..., k+1, H)."""
+        raise NotImplementedError
+
+    # -- training: teacher forcing over whole sequences -------------------------------------
+    def forward(
+        self, hidden: torch.Tensor, input_embeds: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Head states (before the output projection) for all positions, teacher-forced.
+
+        hidden: (B, T, H) base hidden states; input_embeds: (B, T, H) base embeddings of the
+        input tokens (needed when `uses_path`). Returns K tensors (B, T, H); entry k-1 at
+        position t is head k's state for predicting x_{t+k+1}, built from tokens <= t+k only.
+        """
+        ctx = self.context(hidden)
+        if self.uses_path:
+            if input_embeds is None:
+                raise ValueError(f"{self.arch} heads need input_embeds")
+            emb = neftune_noise(input_embeds, self.cfg.noise_alpha, self.training)
+            B, T, H = emb.shape
+            k_max = self.num_heads
+            # path[:, t, j] = e(x_{t+1+j}), zero past the end: (B, T, K, H)
+            padded = torch.cat([emb, emb.new_zeros(B, k_max, H)], dim=1)
+            path = padded.unfold(1, k_max, 1)[:, 1 : T + 1].permute(0, 1, 3, 2)
+        else:
+            ctx = neftune_noise(ctx, self.cfg.noise_alpha, self.training)
+            path = None
+        return [
+            self.head_input(k, ctx, None if path is None else path[:, :, : k + 1])
+            for k in range(self.num_heads)
+        ]
+
+    def logits(self, k: int, state: torch.Tensor) -> torch.Tensor:
+        """Head k's logits over its output vocab (draft vocab when one is set)."""
+        return self.lm_heads[k](state)
+
+    def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits scattered into the full vocab (-inf for tokens outside it)."""
+        if self.draft is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.draft.to_full] = logits
+        return full
+
+    # -- inference: one tree level at a time -----------------------------------------------
+    def step(
+        self, k: int, ctx: torch.Tensor, path_tokens: torch.Tensor, embed: nn.Module
+    ) -> torch.Tensor:
+        """Full-vocab logits of head k (0-based) for N tree nodes.
+
+        ctx: (N, H) context at the last accepted position; path_tokens: (N, k+1) the tokens
+        from the base model's own next token down to the node (ignored by Medusa heads).
+        """
+        path = embed(path_tokens) if self.uses_path else None
+        state = self.head_input(k, ctx, path)
+        return self.full_vocab_logits(self.logits(k, state))
+
+    @torch.no_grad()
+    def propose_chain(
+        self, ctx: torch.Tensor, first_token: torch.Tensor, embed: nn.Module
+    ) -> torch.Tensor:
+        """Greedy chain of K draft tokens after `first_token` (the base model's own next token).
+
+        ctx: (N, H); first_token: (N,). Returns (N, K) draft tokens x_{t+2} .. x_{t+K+1}.
+        """
+        path = first_token[:, None]
+        out = []
+        for k in range(self.num_heads):
+            nxt = self.step(k, ctx, path, embed).argmax(-1)
+            out.append(nxt)
+            path = torch.cat([path, nxt[:, None]], dim=1)
+        return torch.stack(out, dim=1)

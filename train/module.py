@@ -1,0 +1,291 @@
+"""LightningModule: frozen base forward (no grad) -> heads -> CE + KL losses -> AdamW on heads."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.config import fail
+from train.heads import HeadSet, LossConfig
+from train.losses import METRIC_NAMES, fused_head_loss
+
+
+@dataclass
+class OptimConfig:
+    """AdamW over head parameters with linear warmup and cosine decay (`optim:`)."""
+
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    final_lr_ratio: float = 0.1  # the cosine ends at lr * final_lr_ratio
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            fail("lr", self.lr, "a learning rate > 0")
+        if self.weight_decay < 0:
+            fail("weight_decay", self.weight_decay, "a number >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            fail("betas", self.betas, "two numbers in [0, 1)")
+        if self.warmup_steps < 0:
+            fail("warmup_steps", self.warmup_steps, "an integer >= 0")
+        if not 0 <= self.final_lr_ratio <= 1:
+            fail("final_lr_ratio", self.final_lr_ratio, "a number in [0, 1]")
+
+
+def lr_factor(step: int, warmup: int, total: int, final: float) -> float:
+    """Linear warmup to 1, then cosine down to `final` at step `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def tau_estimate(top1_rates: list[float]) -> float:
+    """Acceptance length if head k's top-1 matched the base with rate a_k: 1 + sum prod a_j."""
+    tau, run = 1.0, 1.0
+    for a in top1_rates:
+        run *= a
+        tau += run
+    return tau
+
+
+@torch.no_grad()
+def chunked_argmax(h: torch.Tensor, weight: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """argmax_v (h @ weight.T) for (..., H) without holding all logits: (...,) token ids."""
+    flat = h.reshape(-1, h.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=h.device)
+    for a in range(0, flat.shape[0], chunk):
+        out[a : a + chunk] = (flat[a : a + chunk] @ weight.T.to(flat.dtype)).argmax(-1)
+    return out.view(h.shape[:-1])
+
+
+class HeadsModule(pl.LightningModule):
+    """Trains a head set against a frozen base model (online) or cached hidden states (offline).
+
+    Only head parameters reach the optimizer; the base stays in eval mode with no gradients,
+    and its weights never enter a Lightning checkpoint (they are re-attached on load).
+    """
+
+    def __init__(
+        self,
+        heads: HeadSet,
+        optim: OptimConfig,
+        loss: LossConfig,
+        max_steps: int,
+        base_model: nn.Module | None = None,
+        teacher_weight: torch.Tensor | None = None,
+        embed_weight: torch.Tensor | None = None,
+        hidden_state_offset: int = 0,
+        meta: dict | None = None,
+    ):
+        super().__init__()
+        self.heads = heads
+        self.optim_cfg = optim
+        self.loss_cfg = loss
+        self.max_steps = max_steps
+        self.offset = hidden_state_offset
+        self.meta = meta or {}
+        self.base_model = base_model
+        if base_model is None:
+            if teacher_weight is None or embed_weight is None:
+                raise ValueError("offline training needs the base lm_head and embedding weights")
+            self.register_buffer("_teacher_w", teacher_weight.detach().clone(), persistent=False)
+            self.register_buffer("_embed_w", embed_weight.detach().clone(), persistent=False)
+        self._val: dict[str, torch.Tensor] = {}
+
+    # -- frozen base pieces ---------------------------------------------------------------
+    @property
+    def teacher_weight(self) -> torch.Tensor:
+        if self.base_model is not None:
+            return self.base_model.get_output_embeddings().weight
+        return self._teacher_w
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        if self.base_model is not None:
+            return self.base_model.get_input_embeddings().weight
+        return self._embed_w
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.base_model is not None:
+            self.base_model.eval()  # the teacher never runs dropout
+        return self
+
+    # -- the computation ------------------------------------------------------------------
+    def compute(self, batch: dict) -> tuple[torch.Tensor, list[dict]]:
+        """Total loss and per-head figures for one batch."""
+        ids, lmask, seg = batch["input_ids"], batch["loss_mask"], batch["segment_ids"]
+        T = ids.shape[1]
+        dtype = self.heads.lm_heads[0].weight.dtype
+        with torch.no_grad():
+            if "hidden" in batch:
+                final = batch["hidden"]
+                ctx_in = final
+            else:
+                out = self.base_model.model(
+                    input_ids=ids,
+                    attention_mask=batch["attention_mask"],
+                    output_hidden_states=self.offset > 0,
+                    use_cache=False,
+                )
+                final = out.last_hidden_state  # (B, T, H), post final norm
+                ctx_in = final if self.offset == 0 else out.hidden_states[-1 - self.offset]
+            embeds = F.embedding(ids, self.embed_weight) if self.heads.uses_path else None
+            base_top1 = chunked_argmax(final, self.teacher_weight)  # (B, T)
+        states = self.heads(ctx_in.to(dtype), None if embeds is None else embeds.to(dtype))
+        lc = self.loss_cfg
+        draft = self.heads.draft
+        tw = self.teacher_weight if draft is None else self.teacher_weight[draft.to_full]
+        weights = lc.head_weights(self.heads.num_heads)
+        # Keeps every head parameter in the graph even if a batch has no valid position (DDP).
+        total = sum(p.sum() for p in self.heads.parameters() if p.requires_grad) * 0.0
+        per_head = []
+        for k in range(1, self.heads.num_heads + 1):
+            L = T - k - 1
+            if L <= 0:
+                break
+            # position t is scored when x_{t+k+1} is an assistant token of t's own segment
+            valid = lmask[:, k + 1 :] & (seg[:, :L] == seg[:, k + 1 :])
+            b, t = valid.nonzero(as_tuple=True)
+            if b.numel() == 0:
+                continue
+            target, top = ids[b, t + k + 1], base_top1[b, t + k]
+            if draft is not None:
+                target, top = draft.draft_ids(target), draft.draft_ids(top)
+            hl = fused_head_loss(
+                states[k - 1][b, t],
+                self.heads.lm_heads[k - 1].weight,
+                target,
+                top,
+                teacher_state=final[b, t + k].to(dtype) if lc.distill_weight > 0 else None,
+                teacher_weight=tw if lc.distill_weight > 0 else None,
+                lm_weight=lc.lm_weight,
+                distill_weight=lc.distill_weight,
+                temperature=lc.temperature,
+                chunk_size=lc.chunk_size,
+            )
+            total = total + weights[k - 1] * hl.loss
+            per_head.append(
+                {
+                    "k": k,
+                    "loss": hl.loss.detach(),
+                    "ce": hl.ce,
+                    "kl": hl.kl,
+                    "counts": hl.counts,
+                    "n": hl.n,
+                }
+            )
+        return total, per_head
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, per_head = self.compute(batch)
+        bs = batch["input_ids"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=bs)
+        for h in per_head:
+            k, n = h["k"], max(h["n"], 1)
+            self.log(f"train/loss_h{k}", h["loss"], batch_size=bs)
+            for name, c in zip(METRIC_NAMES, h["counts"], strict=True):
+                self.log(
+                    f"train/{name}_h{k}",
+                    c.float() / n,
+                    batch_size=bs,
+                    prog_bar=(k == 1 and name == "top1"),
+                )
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        K = self.heads.num_heads
+        self._val = {
+            "counts": torch.zeros(K, 4, dtype=torch.long, device=self.device),
+            "n": torch.zeros(K, dtype=torch.long, device=self.device),
+            "loss": torch.zeros((), device=self.device),
+            "batches": torch.zeros((), device=self.device),
+        }
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        loss, per_head = self.compute(batch)
+        self._val["loss"] += loss.detach()
+        self._val["batches"] += 1
+        for h in per_head:
+            self._val["counts"][h["k"] - 1] += h["counts"]
+            self._val["n"][h["k"] - 1] += h["n"]
+
+    def on_validation_epoch_end(self) -> None:
+        if not self._val:
+            return
+        reduce = self.trainer.strategy.reduce
+        counts = reduce(self._val["counts"].float(), reduce_op="sum")
+        n = reduce(self._val["n"].float(), reduce_op="sum").clamp_min(1)
+        loss = reduce(self._val["loss"], reduce_op="sum") / reduce(
+            self._val["batches"], reduce_op="sum"
+        ).clamp_min(1)
+        rates = counts / n[:, None]
+        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
+        for k in range(rates.shape[0]):
+            for j, name in enumerate(METRIC_NAMES):
+                self.log(f"val/{name}_h{k + 1}", rates[k, j])
+        self.log("val/tau_est", tau_estimate(rates[:, 2].tolist()), prog_bar=True)
+        self.val_rates = rates.cpu()
+
+    # -- optimisation ---------------------------------------------------------------------
+    def configure_optimizers(self):
+        c = self.optim_cfg
+        decay = [p for p in self.heads.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.heads.parameters() if p.requires_grad and p.ndim < 2]
+        opt = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": c.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=c.lr,
+            betas=tuple(c.betas),
+            eps=c.eps,
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_factor(s, c.warmup_steps, self.max_steps, c.final_lr_ratio)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # -- checkpoints: heads + optimizer + schedule + RNG, never the base ---------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        sd = checkpoint["state_dict"]
+        for key in [k for k in sd if k.startswith("base_model.")]:
+            del sd[key]
+        checkpoint["hydra_heads"] = self.meta
+        checkpoint["rng"] = {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        from train.checkpoint import check_base
+
+        saved = checkpoint.get("hydra_heads") or {}
+        if saved and self.meta:
+            check_base(saved, self.meta["base"], "in the checkpoint")
+        if self.base_model is not None:
+            sd = checkpoint["state_dict"]
+            for k, v in self.base_model.state_dict(prefix="base_model.").items():
+                sd.setdefault(k, v)
+        # Applied just before the next training batch: restoring it here would let whatever
+        # runs in between (dataloader start-up, for one) shift the random streams.
+        self._pending_rng = checkpoint.get("rng")
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        rng = getattr(self, "_pending_rng", None)
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+            self._pending_rng = None

@@ -1,0 +1,188 @@
+"""`hydra-heads train`: setup -> fit -> export heads. The recipe behind the train subcommand."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from train.base import BaseConfig, load_base
+from train.checkpoint import heads_meta, save_heads
+from train.config import fail
+from train.data import PreparedDataModule, TrainDataConfig, load_prepared, token_counts
+from train.heads import HeadConfig, base_shape, build_heads
+from train.heads.blocks import top_tokens
+from train.module import HeadsModule, OptimConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Everything `hydra-heads train` needs (`conf/train.yaml`)."""
+
+    out: str
+    base: BaseConfig
+    head: HeadConfig
+    data: TrainDataConfig
+    optim: OptimConfig
+    trainer: dict[str, Any]  # a lightning Trainer, built from its `_target_` by the CLI
+    logger: dict[str, Any] | None = None
+    seed: int = 0
+    resume: bool = False  # continue from <out>/checkpoints/last.ckpt
+    checkpoint_every: int = 50  # optimizer steps between resumable checkpoints
+    keep_checkpoints: int = 2
+    final_validation: bool = True
+
+    def __post_init__(self) -> None:
+        steps = self.trainer.get("max_steps")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+            fail("trainer.max_steps", steps, "a positive integer (the LR schedule is per step)")
+        if self.checkpoint_every < 1:
+            fail("checkpoint_every", self.checkpoint_every, "a positive integer")
+        if self.keep_checkpoints < 1:
+            fail("keep_checkpoints", self.keep_checkpoints, "a positive integer")
+        if self.data.offline and self.head.hidden_state_offset:
+            fail(
+                "head.hidden_state_offset",
+                self.head.hidden_state_offset,
+                "offline training caches the last hidden state only; use 0",
+            )
+
+
+class SaveOnInterrupt(pl.Callback):
+    """On SIGTERM (preemption) or Ctrl-C, write last.ckpt so `resume=true` loses nothing."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, SIGTERMException | KeyboardInterrupt) and trainer.global_step:
+            trainer.save_checkpoint(str(self.path))
+            log.warning("interrupted at step %d: saved %s", trainer.global_step, self.path)
+
+
+def resume_checkpoint(ckpt_dir: Path) -> Path:
+    """The newest checkpoint in `ckpt_dir` that loads: a run killed while writing one (SIGKILL
+    mid-save) leaves a truncated file, and the one before it is then the place to resume."""
+    cands = list(ckpt_dir.glob("*.ckpt"))
+    if not cands:
+        raise FileNotFoundError(
+            f"resume=true but {ckpt_dir} holds no checkpoint: nothing to resume"
+        )
+    # Newest first (last.ckpt wins a tie with the step file written at the same step).
+    for c in sorted(cands, key=lambda c: (c.stat().st_mtime, c.name == "last.ckpt"), reverse=True):
+        try:
+            torch.load(c, map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - a damaged file is skipped, loudly
+            log.warning("skipping unreadable checkpoint %s (%s)", c, e)
+            continue
+        log.info("resuming from %s", c)
+        return c
+    raise FileNotFoundError(f"no readable checkpoint in {ckpt_dir}; cannot resume")
+
+
+def build_module(cfg: TrainConfig) -> tuple[HeadsModule, PreparedDataModule, dict]:
+    """Base, data, draft vocab, heads and the LightningModule, from the typed config."""
+    base = load_base(cfg.base)
+    fp = base.fingerprint()
+    dd = load_prepared(cfg.data.prepared, base.vocab_size, cfg.data.offline)
+    draft_ids = None
+    if cfg.head.draft_vocab_size is not None:
+        n = min(cfg.head.draft_vocab_size, base.vocab_size)
+        draft_ids = top_tokens(token_counts(dd["train"], base.vocab_size), n)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        heads = build_heads(cfg.head, base_shape(base.config), base.lm_head.weight, draft_ids)
+    meta = heads_meta(heads, fp, asdict(cfg.base))
+    offline = cfg.data.offline
+    module = HeadsModule(
+        heads,
+        cfg.optim,
+        cfg.head.loss,
+        max_steps=cfg.trainer["max_steps"],
+        base_model=None if offline else base.model,
+        teacher_weight=base.lm_head.weight if offline else None,
+        embed_weight=base.embed_tokens.weight if offline else None,
+        hidden_state_offset=cfg.head.hidden_state_offset,
+        meta=meta,
+    )
+    pad = base.tokenizer.pad_token_id
+    dm = PreparedDataModule(cfg.data, 0 if pad is None else pad, cfg.seed, base.vocab_size)
+    dm.dd = dd
+    return module, dm, meta
+
+
+def fit(
+    cfg: TrainConfig,
+    make_trainer: Callable[..., pl.Trainer],
+    logger: Any = False,
+    resolved_config: str | None = None,
+) -> dict[str, Any]:
+    """Train, checkpoint, export `<out>/heads`; return the summary also written to disk."""
+    out = Path(cfg.out).expanduser()
+    ckpt_dir = out / "checkpoints"
+    last = ckpt_dir / "last.ckpt"
+    resume_from = resume_checkpoint(ckpt_dir) if cfg.resume else None
+    if not cfg.resume and any(ckpt_dir.glob("*.ckpt")):
+        raise FileExistsError(
+            f"{out} already holds checkpoints; pass resume=true to continue that run, or choose "
+            "another out"
+        )
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    t0 = time.perf_counter()
+    module, dm, meta = build_module(cfg)
+    setup_s = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    if resolved_config is not None:
+        (out / "config.yaml").write_text(resolved_config)
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = [
+        ModelCheckpoint(
+            dirpath=str(ckpt_dir),
+            filename="step{step:06d}",
+            every_n_train_steps=cfg.checkpoint_every,
+            save_last=True,
+            save_top_k=cfg.keep_checkpoints,
+            monitor="step",
+            mode="max",
+            auto_insert_metric_name=False,
+        ),
+        SaveOnInterrupt(last),
+    ]
+    trainer = make_trainer(callbacks=callbacks, logger=logger, default_root_dir=str(out))
+    t1 = time.perf_counter()
+    # Our own checkpoints also hold numpy / python RNG states: not loadable as weights only.
+    trainer.fit(
+        module,
+        datamodule=dm,
+        ckpt_path=None if resume_from is None else str(resume_from),
+        weights_only=False,
+    )
+    fit_s = time.perf_counter() - t1
+    val = {}
+    if cfg.final_validation and dm.val_dataloader():
+        res = trainer.validate(module, datamodule=dm, verbose=False)
+        val = {k: float(v) for k, v in (res[0] if res else {}).items()}
+    summary = {
+        "steps": trainer.global_step,
+        "setup_s": round(setup_s, 2),
+        "fit_s": round(fit_s, 2),
+        "trainable_params": sum(p.numel() for p in module.heads.parameters() if p.requires_grad),
+        "validation": val,
+    }
+    if trainer.is_global_zero:
+        meta = {**meta, "training": {"steps": trainer.global_step, "validation": val}}
+        save_heads(out / "heads", module.heads, meta)
+        (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
