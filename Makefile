@@ -41,6 +41,8 @@ format: setup
 
 bench: setup
 	$(BIN)/python evaluation/benchmarks/bench_prep.py
+	$(BIN)/python evaluation/benchmarks/bench_loss_memory.py
+	$(BIN)/python evaluation/benchmarks/bench_train.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
