@@ -44,6 +44,18 @@ def print_summary(summary: dict, num_heads: int) -> None:
         )
 
 
+def quiet_lightning() -> None:
+    """Lightning prints through its own handler; stop its records reaching hydra's root handler
+    too (every line twice), and drop the warning about the base being in eval mode on purpose."""
+    import logging
+    import warnings
+
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).propagate = False
+    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
 def run(cfg) -> dict:
     from hydra.utils import instantiate
 
@@ -51,6 +63,7 @@ def run(cfg) -> dict:
     from train.recipe import TrainConfig, fit
 
     typed = to_typed(cfg, TrainConfig)  # fails here, before any heavy work, on a bad config
+    quiet_lightning()
     logger = make_logger(cfg, typed.out)
 
     def make_trainer(**kwargs):
