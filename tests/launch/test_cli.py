@@ -17,6 +17,7 @@ CLI = [str(Path(sys.executable).parent / "hydra-heads")]
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("WANDB_MODE", None)  # the CLI itself must pick offline mode without an API key
     return subprocess.run(
         [*CLI, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
     )
@@ -88,3 +89,25 @@ def test_python_dash_m_entry_points(tmp_path):
         timeout=120,
     )
     assert r.returncode == 0 and "tiny_random" in r.stdout, r.stderr
+
+
+def test_train_on_missing_prepared_data_is_a_clear_error(tmp_path):
+    r = run("train", "base=tiny_random", f"data.prepared={tmp_path / 'none'}",
+            f"out={tmp_path / 'o'}")
+    assert r.returncode == 2
+    assert "does not exist; create it with `hydra-heads prep" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_train_with_wandb_logger_runs_offline_without_an_api_key(tiny_prepared, tmp_path):
+    env_key = os.environ.pop("WANDB_API_KEY", None)
+    try:
+        r = run("train", "base=tiny_random", f"data.prepared={tiny_prepared}",
+                f"out={tmp_path / 'o'}", "trainer.max_steps=2", "logger=wandb",
+                "head.num_heads=2")
+    finally:
+        if env_key is not None:
+            os.environ["WANDB_API_KEY"] = env_key
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert list((tmp_path / "o" / "wandb").glob("offline-run-*"))
+    assert (tmp_path / "o" / "heads" / "heads.safetensors").is_file()
