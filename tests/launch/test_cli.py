@@ -92,8 +92,9 @@ def test_python_dash_m_entry_points(tmp_path):
 
 
 def test_train_on_missing_prepared_data_is_a_clear_error(tmp_path):
-    r = run("train", "base=tiny_random", f"data.prepared={tmp_path / 'none'}",
-            f"out={tmp_path / 'o'}")
+    r = run(
+        "train", "base=tiny_random", f"data.prepared={tmp_path / 'none'}", f"out={tmp_path / 'o'}"
+    )
     assert r.returncode == 2
     assert "does not exist; create it with `hydra-heads prep" in r.stderr
     assert "Traceback" not in r.stderr
@@ -102,9 +103,15 @@ def test_train_on_missing_prepared_data_is_a_clear_error(tmp_path):
 def test_train_with_wandb_logger_runs_offline_without_an_api_key(tiny_prepared, tmp_path):
     env_key = os.environ.pop("WANDB_API_KEY", None)
     try:
-        r = run("train", "base=tiny_random", f"data.prepared={tiny_prepared}",
-                f"out={tmp_path / 'o'}", "trainer.max_steps=2", "logger=wandb",
-                "head.num_heads=2")
+        r = run(
+            "train",
+            "base=tiny_random",
+            f"data.prepared={tiny_prepared}",
+            f"out={tmp_path / 'o'}",
+            "trainer.max_steps=2",
+            "logger=wandb",
+            "head.num_heads=2",
+        )
     finally:
         if env_key is not None:
             os.environ["WANDB_API_KEY"] = env_key

@@ -160,8 +160,9 @@ def test_bucket_sampler_is_deterministic_and_splits_ranks():
 
 def test_hidden_state_offset_reads_an_earlier_layer(tiny_prepared, tmp_path):
     m0, dm, _ = build_module(_cfg(tiny_prepared, tmp_path, "head=medusa"))
-    m1, _, _ = build_module(_cfg(tiny_prepared, tmp_path, "head=medusa",
-                                 "head.hidden_state_offset=1"))
+    m1, _, _ = build_module(
+        _cfg(tiny_prepared, tmp_path, "head=medusa", "head.hidden_state_offset=1")
+    )
     m1.heads.load_state_dict(m0.heads.state_dict())
     dm.setup()
     batch = next(iter(dm.train_dataloader()))
