@@ -27,6 +27,7 @@ from data_prep.normalize import (
 )
 from data_prep.readers import DataError, SkipLog, iter_records
 from data_prep.template import TemplateError, chunk, encode_batch
+from train.atomic import publish_dir
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +377,7 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     timing["total_s"] = time.perf_counter() - t_start
     timing["num_proc"] = num_proc
     (build / TIMING_FILE).write_text(json.dumps(timing, indent=2) + "\n")
-    _publish(build, out)
+    publish_dir(build, out)
     shutil.rmtree(partial, ignore_errors=True)
     stats["timing"] = timing
     return stats
@@ -395,17 +396,6 @@ def _final_features():
             "seq_lens": Sequence(Value("int32")),
         }
     )
-
-
-def _publish(build: Path, out: Path) -> None:
-    """Move the finished dataset into place with renames, so `out` is never half written."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(build, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _regen_device(device: str) -> str:

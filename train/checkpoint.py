@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from train.atomic import publish_dir
 from train.heads import HeadConfig, HeadSet, build_heads
 from train.heads.blocks import LossConfig
 
@@ -55,13 +56,7 @@ def save_heads(directory: str | Path, heads: HeadSet, meta: dict) -> Path:
     state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
     save_file(state, str(tmp / HEADS_FILE), metadata={"format": "pt", "hydra_heads": FORMAT})
     (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
-    old = None
-    if d.exists():
-        old = d.parent / f".{d.name}.old-{os.getpid()}"
-        os.replace(d, old)
-    os.replace(tmp, d)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    publish_dir(tmp, d)
     return d
 
 

@@ -1,0 +1,22 @@
+"""Publish a finished directory in place of another with renames: readers never see half of one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def publish_dir(build: Path, dest: Path) -> None:
+    """Move the complete directory `build` to `dest`, replacing any previous `dest`.
+
+    The old `dest` is renamed aside first and deleted only after the new one is in place, so an
+    interruption leaves either the old or the new directory at `dest`, never a mix.
+    """
+    old = None
+    if dest.exists():
+        old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+        os.replace(dest, old)
+    os.replace(build, dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
