@@ -31,10 +31,9 @@ class DataConfig:
     dedup: bool = True
     val_fraction: float = 0.02
     num_shards: int | None = None  # Arrow shards per split; default: one per 256 MB, >= 1
-    prepared: str | None = None  # read by `train`: the output dir of `prep`
 
     def __post_init__(self) -> None:
-        if (self.path is None) == (self.package_file is None) and self.prepared is None:
+        if (self.path is None) == (self.package_file is None):
             fail("path", self.path, "set exactly one of data.path or data.package_file")
         if self.package_file is not None and ":" not in self.package_file:
             fail("package_file", self.package_file, "use the form 'package:relative/path'")

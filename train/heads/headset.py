@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from train.heads.blocks import DraftVocab, HeadConfig, neftune_noise
+from train.heads.blocks import DraftVocab, HeadConfig, mlp_stack, neftune_noise
 
 
 class HeadSet(nn.Module):
@@ -51,6 +51,17 @@ class HeadSet(nn.Module):
             with torch.no_grad():
                 lin.weight.copy_(rows.to(lin.weight.dtype))
             self.lm_heads.append(lin)
+        # Head k's residual MLP: its first block reads the context, plus the k+1 path
+        # embeddings for heads that use the path ((k+2)H -> H); each block its own weights.
+        self.mlps = nn.ModuleList(
+            mlp_stack(
+                (k + 2) * hidden_size if self.uses_path else hidden_size,
+                hidden_size,
+                cfg.num_layers,
+                cfg.dropout,
+            )
+            for k in range(cfg.num_heads)
+        )
 
     @property
     def num_heads(self) -> int:

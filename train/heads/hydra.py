@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from train.heads.blocks import mlp_stack
 from train.heads.headset import HeadSet
 
 
@@ -18,15 +16,6 @@ class HydraHeads(HeadSet):
 
     arch = "hydra"
     uses_path = True
-
-    def __init__(
-        self, cfg, hidden_size, vocab_size, lm_head_weight, draft_ids=None, base_shape=None
-    ):
-        super().__init__(cfg, hidden_size, vocab_size, lm_head_weight, draft_ids, base_shape)
-        self.mlps = nn.ModuleList(
-            mlp_stack((k + 2) * hidden_size, hidden_size, cfg.num_layers, cfg.dropout)
-            for k in range(cfg.num_heads)
-        )
 
     def head_input(self, k: int, ctx: torch.Tensor, path: torch.Tensor | None) -> torch.Tensor:
         # ctx (..., H), path (..., k+1, H) -> (..., (k+2)H)
