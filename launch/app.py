@@ -32,6 +32,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from data_prep.prepare import PrepError
     from data_prep.readers import DataError
     from data_prep.template import TemplateError
+    from evaluation.evaluate import LosslessError
+    from evaluation.tree import TreeError
     from train.base import BaseLoadError
     from train.checkpoint import HeadsMismatchError
     from train.data import PreparedDataError
@@ -46,6 +48,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
         FileExistsError,
         PreparedDataError,
         HeadsMismatchError,
+        TreeError,
+        LosslessError,
     )
 
 

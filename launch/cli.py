@@ -9,6 +9,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prep": ("launch.commands.prep", "chat data -> tokenized, loss-masked Arrow shards + stats"),
     "train": ("launch.commands.train", "train Medusa / Hydra / Hydra++ heads on prepared data"),
+    "eval": ("launch.commands.eval", "speculative vs plain decoding: tau, acceptance, speedup"),
 }
 
 USAGE = """usage: hydra-heads <subcommand> [key=value ...] [hydra flags]

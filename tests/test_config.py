@@ -12,15 +12,20 @@ from launch.app import conf_dir, to_typed
 from tests.conftest import compose, prep_config
 from train.config import ConfigError
 
-PRIMARY = {"prep": "launch.commands.prep", "train": "launch.commands.train"}
+PRIMARY = {
+    "prep": "launch.commands.prep",
+    "train": "launch.commands.train",
+    "eval": "launch.commands.eval",
+}
 # Which subcommand composes each config group (the first one listed is used in the test).
 USERS = {
-    "base": ["prep", "train"],
+    "base": ["prep", "train", "eval"],
     "data": ["prep"],
     "head": ["train"],
     "trainer": ["train"],
     "logger": ["train"],
     "experiment": ["train"],
+    "tree": ["eval"],
 }
 GROUPS = sorted(p.name for p in conf_dir().iterdir() if p.is_dir())
 
@@ -42,6 +47,7 @@ def test_every_group_is_used():
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_group_option_composes_and_validates(group):
+    from evaluation.evaluate import EvalConfig
     from train.recipe import TrainConfig
 
     options = _options(group)
@@ -52,9 +58,13 @@ def test_every_group_option_composes_and_validates(group):
             text = (conf_dir() / group / f"{option}.yaml").read_text()
             if group == "data" and "path: ???" in text:
                 overrides.append(f"data.path={Path(__file__)}")
+            if group == "tree" and "path: ???" in text:
+                overrides.append("tree.path=/tmp/tree.json")
             if primary == "train":
                 overrides.append("data.prepared=/tmp/p")
                 cfg = to_typed(compose("train", overrides), TrainConfig)
+            elif primary == "eval":
+                cfg = to_typed(compose("eval", [*overrides, "heads=/tmp/h"]), EvalConfig)
             else:
                 cfg = prep_config(overrides)
             if group == "experiment":
@@ -62,6 +72,8 @@ def test_every_group_option_composes_and_validates(group):
             value = getattr(cfg, group)
             if group in ("base", "data", "head"):
                 assert value.name == option
+            elif group == "tree":
+                assert value.kind in option or value.name == option
             elif group == "logger" and option == "none":
                 assert value is None
             else:
@@ -134,3 +146,42 @@ def test_struct_mode_blocks_typos_on_plain_access():
     cfg = compose("prep", ["out=x"])
     with pytest.raises((ConfigKeyError, ConfigAttributeError)):
         _ = cfg.data.max_lenght
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fix"),
+    [
+        ("tree.budget=0", "tree.budget", "positive"),
+        ("tree=branching", None, None),
+        ("tree.kind=preset", "tree.name", "needs tree.name"),
+        ("eval.temperature=-1", "eval.temperature", ">= 0"),
+        ("eval.acceptance=typical", "eval.acceptance", "greedy at temperature 0"),
+        ("eval.max_new_tokens=0", "eval.max_new_tokens", "positive"),
+    ],
+)
+def test_bad_eval_values_name_the_key(override, key, fix):
+    from evaluation.evaluate import EvalConfig
+
+    overrides = ["out=/tmp/x", "heads=/tmp/h", override]
+    if key is None:  # a valid override: composes and validates
+        assert to_typed(compose("eval", overrides), EvalConfig).tree.branching == [3, 2, 2]
+        return
+    with pytest.raises(ConfigError) as e:
+        to_typed(compose("eval", overrides), EvalConfig)
+    msg = str(e.value)
+    assert f"'{key}'" in msg and fix in msg, msg
+
+
+def test_eval_defaults_follow_temperature():
+    from evaluation.evaluate import EvalConfig
+
+    base = ["out=/tmp/x", "heads=/tmp/h"]
+    greedy = to_typed(compose("eval", base), EvalConfig).eval
+    assert greedy.acceptance == "greedy" and greedy.check_lossless is True
+    hot = to_typed(compose("eval", [*base, "eval.temperature=0.7"]), EvalConfig).eval
+    assert hot.acceptance == "rejection" and hot.check_lossless is False
+    with pytest.raises(ConfigError, match="check_lossless"):
+        to_typed(
+            compose("eval", [*base, "eval.temperature=0.7", "eval.check_lossless=true"]),
+            EvalConfig,
+        )

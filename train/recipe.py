@@ -182,7 +182,14 @@ def fit(
         "validation": val,
     }
     if trainer.is_global_zero:
-        meta = {**meta, "training": {"steps": trainer.global_step, "validation": val}}
+        meta = {
+            **meta,
+            "training": {
+                "steps": trainer.global_step,
+                "prepared": str(Path(cfg.data.prepared).resolve()),
+                "validation": val,
+            },
+        }
         save_heads(out / "heads", module.heads, meta)
         (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

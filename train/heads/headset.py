@@ -134,6 +134,20 @@ class HeadSet(nn.Module):
         return self.full_vocab_logits(self.logits(k, state))
 
     @torch.no_grad()
+    def candidates(
+        self, k: int, ctx: torch.Tensor, path_tokens: torch.Tensor, embed: nn.Module, topk: int
+    ) -> torch.Tensor:
+        """Head k's (0-based) `topk` best full-vocab token ids for N tree nodes: (N, topk).
+
+        The top-k runs over the head's own output vocab, so a draft vocab is never scattered
+        into the full one. path_tokens: (N, k+1) as in `step` (ignored by Medusa heads).
+        """
+        path = embed(path_tokens) if self.uses_path else None
+        logits = self.logits(k, self.head_input(k, ctx, path))
+        idx = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices
+        return idx if self.draft is None else self.draft.to_full[idx]
+
+    @torch.no_grad()
     def propose_chain(
         self, ctx: torch.Tensor, first_token: torch.Tensor, embed: nn.Module
     ) -> torch.Tensor:

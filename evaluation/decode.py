@@ -1,0 +1,344 @@
+"""Decoding loops: plain one-token-per-forward decoding and tree speculative decoding (batch 1).
+
+Both keep the base model's KV cache across steps. A speculative step: the heads propose the tree
+from the context of the last accepted token (level by level; Hydra heads read the embeddings of
+each node's path, Hydra++ keeps its extra layer's own KV cache), the base verifies the whole
+tree in one forward with a tree attention mask, the accepted path's KV entries are kept (the
+rest dropped, nothing recomputed), and the base model's own token after the path is the bonus
+token that roots the next tree.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from evaluation.tree import Tree
+from evaluation.verify import (
+    ACCEPTANCE,
+    accept_greedy,
+    accept_rejection,
+    accept_typical,
+    base_forward,
+    compact_cache,
+    sample_token,
+    tree_attention_mask,
+    tree_bias,
+)
+from train.heads import HeadSet, KVCache
+
+
+@dataclass
+class Generation:
+    """One prompt's output and what it cost."""
+
+    tokens: list[int]
+    finish: str  # "eos" or "length"
+    prefill_s: float = 0.0
+    total_s: float = 0.0  # prefill included
+    steps: int = 0  # base forwards after the prefill
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted per verify step
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    bookkeeping_s: float = 0.0  # acceptance, KV-cache compaction, the heads' context update
+
+    @property
+    def tau(self) -> float:
+        """Tokens per verify forward, the bonus token included."""
+        return (sum(self.accepted) + len(self.accepted)) / max(len(self.accepted), 1)
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0
+    acceptance: str = "greedy"  # greedy | typical | rejection (temperature > 0 for the last two)
+    posterior_threshold: float = 0.09  # typical acceptance (Medusa's defaults)
+    posterior_alpha: float = 0.3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.acceptance not in ACCEPTANCE:
+            raise ValueError(
+                f"acceptance={self.acceptance!r} is invalid: choose one of {', '.join(ACCEPTANCE)}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} is invalid: a number >= 0")
+        if (self.temperature == 0) != (self.acceptance == "greedy"):
+            raise ValueError(
+                f"acceptance={self.acceptance!r} with temperature={self.temperature}: greedy "
+                "acceptance is for temperature 0, typical and rejection for temperature > 0"
+            )
+
+    @property
+    def typical(self) -> tuple[float, float] | None:
+        if self.acceptance != "typical":
+            return None
+        return (self.posterior_threshold, self.posterior_alpha)
+
+
+def eos_ids(tokenizer, model) -> set[int]:
+    """Every id that ends a reply: the tokenizer's EOS and the generation config's."""
+    ids: set[int] = set()
+    for v in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, list | tuple):
+            ids.update(int(i) for i in v)
+    return ids
+
+
+def new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+class Decoder:
+    """Plain and speculative decoding with one base model (and optionally draft heads)."""
+
+    def __init__(
+        self,
+        model,
+        eos: set[int],
+        heads: HeadSet | None = None,
+        tree: Tree | None = None,
+        sampling: SamplingConfig | None = None,
+        hidden_state_offset: int = 0,
+    ):
+        self.model = model.eval()
+        self.eos = set(eos)
+        self.heads = heads.eval() if heads is not None else None
+        self.sampling = sampling or SamplingConfig()
+        self.offset = hidden_state_offset
+        self.embed = model.get_input_embeddings()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.generator = torch.Generator().manual_seed(self.sampling.seed)
+        self.tree = None
+        if tree is not None:
+            self.set_tree(tree)
+
+    def set_tree(self, tree: Tree) -> None:
+        if self.heads is None:
+            raise ValueError("speculative decoding needs heads")
+        tree.check_heads(self.heads.num_heads)
+        self.tree = tree
+        self.bias = tree_bias(tree, self.dtype, self.device)
+        self.depth = tree.depth.to(self.device)
+
+    def reseed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    # -- shared pieces ----------------------------------------------------------------------
+    def _check_length(self, prompt_len: int, max_new: int) -> None:
+        extra = (self.tree.max_depth + 1) if self.tree is not None else 1
+        if self.max_positions and prompt_len + max_new + extra > self.max_positions:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new} exceeds the base "
+                f"model's {self.max_positions} positions: shorten the prompt or max_new_tokens"
+            )
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, mask=None):
+        return base_forward(self.model, ids[None], positions[None], cache, mask, self.offset)
+
+    def _next_token(self, final: torch.Tensor) -> int:
+        """The base model's own token after the last of `final` (n, H) hidden states."""
+        s = self.sampling
+        logits = self.model.lm_head(final[-1])
+        return sample_token(logits, s.temperature, self.generator, s.typical)
+
+    def _emit(self, out: list[int], new: list[int], max_new: int) -> str | None:
+        for t in new:
+            out.append(t)
+            if t in self.eos:
+                return "eos"
+            if len(out) >= max_new:
+                return "length"
+        return None
+
+    def _prompt(self, prompt) -> torch.Tensor:
+        ids = torch.as_tensor(prompt, dtype=torch.long, device=self.device).flatten()
+        if ids.numel() == 0:
+            raise ValueError("empty prompt: nothing to decode from")
+        return ids
+
+    # -- plain decoding ---------------------------------------------------------------------
+    @torch.no_grad()
+    def plain(self, prompt, max_new_tokens: int) -> Generation:
+        """One base forward per token: the baseline speculative decoding must match/beat."""
+        ids = self._prompt(prompt)
+        L = ids.numel()
+        self._check_length(L, max_new_tokens)
+        t0 = time.perf_counter()
+        cache = new_cache(self.model)
+        final, _ = self._forward(ids, torch.arange(L, device=self.device), cache)
+        token = self._next_token(final)
+        prefill = time.perf_counter() - t0
+        out: list[int] = []
+        finish = self._emit(out, [token], max_new_tokens)
+        steps = 0
+        while finish is None:
+            pos = torch.tensor([L + steps], device=self.device)
+            final, _ = self._forward(torch.tensor([token], device=self.device), pos, cache)
+            steps += 1
+            token = self._next_token(final)
+            finish = self._emit(out, [token], max_new_tokens)
+        total = time.perf_counter() - t0
+        return Generation(out, finish, prefill, total, steps)
+
+    # -- speculative decoding ---------------------------------------------------------------
+    @torch.no_grad()
+    def propose(self, ctx: torch.Tensor, root: int, position: int) -> torch.Tensor:
+        """The tree's tokens (N,), root first, from the heads at context ctx (H,); the root
+        sits at sequence position `position`."""
+        tree, heads = self.tree, self.heads
+        tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=self.device)
+        tokens[0] = root
+        for lv in tree.levels:
+            k = lv.depth - 1
+            if heads.uses_path:
+                path = tokens[tree.ancestors[lv.parents, : lv.depth]]  # (P, depth): root..parent
+                cand = heads.candidates(k, ctx.expand(path.shape[0], -1), path, self.embed, lv.topk)
+                tokens[lv.nodes] = cand[lv.row, lv.ranks]
+            else:  # Medusa: one distribution per depth, shared by every parent
+                cand = heads.candidates(k, ctx[None], None, self.embed, lv.topk)
+                tokens[lv.nodes] = cand[0, lv.ranks]
+        return tokens
+
+    def _accept(self, tokens: torch.Tensor, final: torch.Tensor):
+        s = self.sampling
+
+        def logits(nodes: torch.Tensor) -> torch.Tensor:
+            return self.model.lm_head(final[nodes])
+
+        if s.acceptance == "greedy":
+            return accept_greedy(self.tree, tokens, logits)
+        if s.acceptance == "rejection":
+            return accept_rejection(self.tree, tokens, logits, s.temperature, self.generator)
+        return accept_typical(
+            self.tree,
+            tokens,
+            logits,
+            s.temperature,
+            s.posterior_threshold,
+            s.posterior_alpha,
+            self.generator,
+        )
+
+    @torch.no_grad()
+    def _prefill(self, ids: torch.Tensor) -> _State:
+        dev = self.device
+        L = ids.numel()
+        st = _State(new_cache(self.model), KVCache(), L)
+        final, hid = self._forward(ids, torch.arange(L, device=dev), st.cache)
+        st.root = self._next_token(final)
+        ctx = self.heads.context(
+            hid[None], cache=st.head_cache, positions=torch.arange(L, device=dev)
+        )
+        st.ctx = ctx[0, -1]
+        return st
+
+    @torch.no_grad()
+    def _step(self, st: _State, gen: Generation) -> list[int]:
+        """One propose -> verify -> accept round; returns the tokens it emits."""
+        t1 = time.perf_counter()
+        tokens = self.propose(st.ctx, st.root, st.length)
+        t2 = time.perf_counter()
+        mask = tree_attention_mask(self.bias, st.length)
+        final, hid = self._forward(tokens, st.length + self.depth, st.cache, mask)
+        t3 = time.perf_counter()
+        nodes, bonus = self._accept(tokens, final)
+        compact_cache(st.cache, st.length, nodes)
+        n = nodes.numel()
+        pos = torch.arange(st.length, st.length + n, device=self.device)
+        st.ctx = self.heads.context(hid[nodes][None], cache=st.head_cache, positions=pos)[0, -1]
+        st.length += n
+        st.root = bonus
+        gen.steps += 1
+        gen.accepted.append(n - 1)
+        new = [*tokens[nodes[1:]].tolist(), bonus]
+        t4 = time.perf_counter()
+        gen.propose_s += t2 - t1
+        gen.verify_s += t3 - t2
+        gen.bookkeeping_s += t4 - t3
+        return new
+
+    @torch.no_grad()
+    def speculative(self, prompt, max_new_tokens: int) -> Generation:
+        if self.tree is None:
+            raise ValueError("speculative decoding needs a tree: call set_tree first")
+        if self.tree.num_nodes == 1:  # an empty tree: speculation off, plain decoding
+            gen = self.plain(prompt, max_new_tokens)
+            gen.accepted = [0] * gen.steps
+            gen.verify_s = gen.total_s - gen.prefill_s
+            return gen
+        ids = self._prompt(prompt)
+        self._check_length(ids.numel(), max_new_tokens)
+        t0 = time.perf_counter()
+        st = self._prefill(ids)
+        gen = Generation([], "length")
+        gen.prefill_s = time.perf_counter() - t0
+        finish = self._emit(gen.tokens, [st.root], max_new_tokens)
+        while finish is None:
+            finish = self._emit(gen.tokens, self._step(st, gen), max_new_tokens)
+        gen.finish = finish
+        gen.total_s = time.perf_counter() - t0
+        return gen
+
+    @torch.no_grad()
+    def step_seconds(self, prompt, reps: int = 3) -> float:
+        """Median wall time of one speculative step (propose + verify + accept + KV upkeep) with
+        the current tree, after `prompt`; each rep starts again from the same prefix."""
+        ids = self._prompt(prompt)
+        if self.tree is None or self.tree.num_nodes == 1:
+            return self.plain_step_seconds(prompt, reps)
+        st = self._prefill(ids)
+        L, root, ctx = st.length, st.root, st.ctx
+        times = []
+        for _ in range(reps + 1):  # the first rep warms up
+            gen = Generation([], "length")
+            t = time.perf_counter()
+            self._step(st, gen)
+            times.append(time.perf_counter() - t)
+            for layer in st.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, :L], layer.values[:, :, :L]
+            st.head_cache.crop(L)
+            st.length, st.root, st.ctx = L, root, ctx
+        return statistics.median(times[1:])
+
+    @torch.no_grad()
+    def plain_step_seconds(self, prompt, reps: int = 3) -> float:
+        """Median wall time of one plain decode step (one token) after `prompt`."""
+        ids = self._prompt(prompt)
+        L = ids.numel()
+        cache = new_cache(self.model)
+        final, _ = self._forward(ids, torch.arange(L, device=self.device), cache)
+        token = torch.tensor([self._next_token(final)], device=self.device)
+        pos = torch.tensor([L], device=self.device)
+        times = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            final, _ = self._forward(token, pos, cache)
+            self._next_token(final)
+            times.append(time.perf_counter() - t)
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, :L], layer.values[:, :, :L]
+        return statistics.median(times[1:])
+
+
+@dataclass
+class _State:
+    """What a speculative decode carries from step to step."""
+
+    cache: object  # the base model's KV cache (accepted tokens only, root excluded)
+    head_cache: KVCache  # Hydra++'s extra layer's KV cache
+    length: int  # tokens in the base cache = position of the root
+    root: int = 0  # the base model's own next token, already emitted, not yet in the cache
+    ctx: torch.Tensor | None = None  # head context at the last cached position (H,)

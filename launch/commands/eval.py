@@ -1,0 +1,59 @@
+"""`hydra-heads eval`: validate the config, run speculative vs plain decoding, print the figures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+CONFIG_NAME = "eval"
+
+
+def print_summary(res: dict[str, Any], out: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(
+        title=f"eval: {res['arch']} heads, tree of {res['tree']['num_nodes']} nodes",
+        show_header=False,
+    )
+    t.add_column("what")
+    t.add_column("value", justify="right")
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    t.add_row(
+        "prompts / generations", f"{res['prompts']['items']} / {res['prompts']['generations']}"
+    )
+    t.add_row("tau (tokens per base forward)", num(res["tau"], ".3f"))
+    if "expected_tau" in res["tree"]:
+        t.add_row("  expected from calibration", num(res["tree"]["expected_tau"], ".3f"))
+    for d, (cum, cond) in enumerate(
+        zip(res["acceptance_cumulative"], res["acceptance_conditional"], strict=True), 1
+    ):
+        t.add_row(
+            f"  depth {d} accepted (cumulative / conditional)",
+            f"{num(cum, '.3f')} / {num(cond, '.3f')}",
+        )
+    t.add_row("speculative tokens/s", num(res["spec_tokens_per_s"], ".1f"))
+    if "plain_tokens_per_s" in res:
+        t.add_row("plain tokens/s", num(res["plain_tokens_per_s"], ".1f"))
+        t.add_row("speedup", num(res["speedup"], ".3f") + "x")
+    ms = res["time_per_step_ms"]
+    t.add_row(
+        "per step: propose / verify / bookkeeping",
+        f"{ms['propose']:.1f} / {ms['verify']:.1f} / {ms['bookkeeping']:.1f} ms",
+    )
+    if res["lossless"] is not None:
+        t.add_row("lossless (greedy == plain greedy)", "yes" if res["lossless"] else "NO")
+    Console().print(t)
+    Console().print(f"wrote {out}/eval.json and {out}/tree.json")
+
+
+def run(cfg) -> dict[str, Any]:
+    from evaluation.evaluate import EvalConfig, run_eval
+    from launch.app import resolved_yaml, to_typed
+
+    typed = to_typed(cfg, EvalConfig)
+    res = run_eval(typed, resolved_yaml(cfg))
+    print_summary(res, typed.out)
+    return res

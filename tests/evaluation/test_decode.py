@@ -1,0 +1,261 @@
+"""Speculative decoding on a tiny random Llama: lossless greedy for any heads and tree, deep
+acceptance with an oracle, KV-cache bookkeeping, and the sampling rules' distributions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from evaluation.decode import Decoder, SamplingConfig
+from evaluation.tree import PRESETS, Tree, branching, chain
+from evaluation.verify import accept_greedy, accept_rejection, compact_cache
+from tests.evaluation.test_tree import trees
+from train.heads import HeadConfig, base_shape, build_heads
+
+PROMPTS = ["hello there, how are you?", "count: 1 2 3 4", "<|im_start|>user\nhi<|im_end|>\n"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from tests.conftest import prep_config
+    from train.base import load_base
+
+    return load_base(prep_config(["base=tiny_random", "out=x"]).base)
+
+
+def make_heads(model, arch: str, seed: int, scale: float, draft: int | None = None):
+    torch.manual_seed(seed)
+    draft_ids = torch.randperm(model.config.vocab_size)[:draft].sort().values if draft else None
+    heads = build_heads(
+        HeadConfig(name=arch, num_heads=4, num_layers=1, draft_vocab_size=draft),
+        base_shape(model.config),
+        model.get_output_embeddings().weight,
+        draft_ids,
+    )
+    with torch.no_grad():  # fresh heads echo the base's next token; noise makes them differ
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return heads.eval()
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+@given(
+    paths=trees(max_depth=4, max_nodes=24),
+    arch=st.sampled_from(["medusa", "hydra", "hydra_pp"]),
+    seed=st.integers(0, 10_000),
+    scale=st.sampled_from([0.0, 0.01, 0.3]),
+    draft=st.sampled_from([None, 64]),
+    prompt=st.sampled_from(PROMPTS),
+    eos_at=st.integers(0, 40),
+)
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_greedy_speculative_equals_plain_greedy(
+    tiny, paths, arch, seed, scale, draft, prompt, eos_at
+):
+    model = tiny.model
+    heads = make_heads(model, arch, seed, scale, draft)
+    ids = encode(tiny.tokenizer, prompt)
+    ref = Decoder(model, set(), heads).plain(ids, 40).tokens
+    eos = {ref[eos_at]}  # an EOS somewhere in the middle of the reply
+    dec = Decoder(model, eos, heads, Tree.from_paths(paths))
+    plain, spec = dec.plain(ids, 40), dec.speculative(ids, 40)
+    assert spec.tokens == plain.tokens
+    assert plain.tokens[-1] in eos and plain.finish == "eos" and spec.finish == "eos"
+    assert spec.steps == len(spec.accepted) and (spec.tau >= 1.0 or spec.steps == 0)
+
+
+def test_plain_decode_matches_transformers_generate(tiny):
+    ids = encode(tiny.tokenizer, PROMPTS[0])
+    ours = Decoder(tiny.model, set()).plain(ids, 30).tokens
+    out = tiny.model.generate(
+        torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert ours == out[0, len(ids) :].tolist()
+
+
+class OracleDecoder(Decoder):
+    """Proposes the true greedy continuation at chosen ranks of the tree, junk elsewhere: every
+    step should then accept a whole root-to-leaf path, through non-zero ranks."""
+
+    def __init__(self, *a, ref: list[int], prompt_len: int, true_path: list[int], **k):
+        super().__init__(*a, **k)
+        self.ref, self.prompt_len, self.true_path = ref, prompt_len, true_path
+
+    def propose(self, ctx, root, position):
+        at = position - self.prompt_len  # ref[at] is the root
+        assert self.ref[at] == root
+        tokens = torch.empty(self.tree.num_nodes, dtype=torch.long)
+        tokens[0] = root
+        for i, p in enumerate(self.tree.paths, start=1):
+            true = self.ref[at + len(p)] if at + len(p) < len(self.ref) else 0
+            on_path = list(p) == self.true_path[: len(p)]
+            tokens[i] = true if on_path else (true + 1 + i) % self.model.config.vocab_size
+        return tokens
+
+
+@pytest.mark.parametrize("true_path", [[0, 0, 0], [2, 1, 0], [1, 0, 1]])
+def test_oracle_heads_accept_full_paths_and_keep_the_right_kv(tiny, true_path):
+    model = tiny.model
+    heads = make_heads(model, "hydra_pp", 0, 0.1)
+    ids = encode(tiny.tokenizer, PROMPTS[1])
+    ref = Decoder(model, set(), heads).plain(ids, 60).tokens
+    tree = Tree.from_paths(branching([3, 2, 2]))
+    dec = OracleDecoder(
+        model, set(), heads, tree, ref=ref, prompt_len=len(ids), true_path=true_path
+    )
+    gen = dec.speculative(ids, 60)
+    assert gen.tokens == ref
+    # every step but the last accepts the whole path (3 drafts) + bonus: tau 4
+    assert gen.accepted[:-1] == [3] * (len(gen.accepted) - 1)
+    assert gen.tau > 3.5
+
+
+def test_compact_cache_moves_accepted_entries(tiny):
+    from evaluation.decode import new_cache
+    from evaluation.verify import base_forward
+
+    model = tiny.model
+    cache = new_cache(model)
+    x = torch.randint(0, 200, (1, 9))
+    base_forward(model, x, torch.arange(9)[None], cache)
+    before = [layer.keys.clone() for layer in cache.layers]
+    compact_cache(cache, 4, torch.tensor([0, 2, 4]))
+    for layer, old in zip(cache.layers, before, strict=True):
+        assert layer.keys.shape[2] == 7
+        assert torch.equal(layer.keys[:, :, :4], old[:, :, :4])
+        assert torch.equal(layer.keys[:, :, 4:], old[:, :, [4, 6, 8]])
+
+
+def test_empty_tree_is_plain_decoding(tiny):
+    heads = make_heads(tiny.model, "hydra", 0, 0.0)
+    ids = encode(tiny.tokenizer, PROMPTS[0])
+    dec = Decoder(tiny.model, set(), heads, Tree.from_paths(PRESETS["none"]))
+    gen = dec.speculative(ids, 12)
+    assert gen.tokens == dec.plain(ids, 12).tokens and gen.tau == 1.0
+
+
+def test_prompt_too_long_for_the_model_fails_clearly(tiny):
+    heads = make_heads(tiny.model, "hydra", 0, 0.0)
+    dec = Decoder(tiny.model, set(), heads, Tree.from_paths(chain(4)))
+    n = tiny.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="exceeds the base model's"):
+        dec.speculative([5] * (n - 10), 20)
+    with pytest.raises(ValueError, match="empty prompt"):
+        dec.plain([], 5)
+
+
+def test_greedy_rule_follows_the_matching_child():
+    tree = Tree.from_paths([[0], [1], [1, 0], [1, 1]])
+    tokens = torch.tensor([7, 3, 5, 2, 9])
+    logits = torch.zeros(5, 10)
+    logits[0, 5] = 1  # after the root the base picks 5: node 2 (rank 1)
+    logits[2, 9] = 1  # after node 2 it picks 9: node 4
+    logits[4, 6] = 1  # bonus 6
+    nodes, bonus = accept_greedy(tree, tokens, lambda i: logits[i])
+    assert nodes.tolist() == [0, 2, 4] and bonus == 6
+
+
+def test_sampling_config_rejects_mismatched_rules():
+    with pytest.raises(ValueError, match="greedy acceptance is for temperature 0"):
+        SamplingConfig(temperature=0.0, acceptance="rejection")
+    with pytest.raises(ValueError, match="choose one of"):
+        SamplingConfig(temperature=1.0, acceptance="nucleus")
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of observed counts to probs; cells expected < 5 are pooled."""
+    from scipy.stats import chisquare
+
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)]).double()
+    ex = torch.cat([exp[big], exp[~big].sum().reshape(1)]).double()
+    if ex[-1] == 0:
+        obs, ex = obs[:-1], ex[:-1]
+    return float(chisquare(obs.numpy(), ex.numpy() * obs.sum().item() / ex.sum().item()).pvalue)
+
+
+def test_rejection_rule_preserves_the_base_distribution():
+    """Synthetic tree over an 8-token vocab: the first emitted token must follow the root's
+    distribution, and the token after an accepted child must follow that child's."""
+    g = torch.Generator().manual_seed(0)
+    V = 8
+    tree = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1]])
+    tokens = torch.tensor([0, 3, 1, 6, 2, 5])  # root, children 3/1/6 of the root, 2/5 of node 1
+    logits = torch.randn(6, V, generator=g) * 1.5
+    T = 0.8
+    first = torch.zeros(V)
+    after_node1 = torch.zeros(V)
+    for _ in range(20000):
+        nodes, bonus = accept_rejection(tree, tokens, lambda i: logits[i], T, g)
+        emitted = [*tokens[nodes[1:]].tolist(), bonus]
+        first[emitted[0]] += 1
+        if len(nodes) >= 2 and int(nodes[1]) == 1:
+            after_node1[emitted[1]] += 1
+    p = torch.softmax(logits / T, -1)
+    assert _chi2_pvalue(first, p[0]) > 1e-3
+    assert _chi2_pvalue(after_node1, p[1]) > 1e-3
+    # and the check has power: the root distribution is not what follows node 1
+    assert _chi2_pvalue(after_node1, p[0]) < 1e-6
+
+
+class TopKDecoder(Decoder):
+    """Proposes, after the root, the base's own k most likely next tokens: good drafts, so the
+    acceptance branch of the rejection rule runs often."""
+
+    def __init__(self, *a, prompt: list[int], **k):
+        super().__init__(*a, **k)
+        self.prompt = prompt
+
+    def propose(self, ctx, root, position):
+        with torch.no_grad():
+            logits = self.model(torch.tensor([[*self.prompt, root]])).logits[0, -1]
+        tokens = torch.empty(self.tree.num_nodes, dtype=torch.long)
+        tokens[0] = root
+        tokens[1:] = logits.topk(self.tree.num_nodes - 1).indices
+        return tokens
+
+
+def test_rejection_sampling_end_to_end_matches_direct_sampling(tiny):
+    """On the tiny model: the second generated token (the first one the tree decides) is
+    distributed like sampling from the base directly, whether a draft or the bonus emits it."""
+    model = tiny.model
+    heads = make_heads(model, "hydra", 1, 0.0)
+    ids = encode(tiny.tokenizer, PROMPTS[2])
+    T = 0.3
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        p1 = torch.softmax(model(x).logits[0, -1] / T, -1)
+        V = p1.numel()
+        batch = torch.cat([x.expand(V, -1), torch.arange(V)[:, None]], dim=1)
+        p2 = torch.softmax(model(batch).logits[:, -1] / T, -1)  # (V, V): p(x2 | x1)
+    exact = p1 @ p2  # marginal of the second token
+    sampling = SamplingConfig(temperature=T, acceptance="rejection", seed=0)
+    tree = Tree.from_paths(branching([3]))
+    dec = TopKDecoder(model, set(), heads, tree, sampling, prompt=ids)
+    counts = torch.zeros(V)
+    accepted = 0
+    for _ in range(1500):
+        gen = dec.speculative(ids, 2)
+        counts[gen.tokens[1]] += 1
+        accepted += gen.accepted[0] > 0
+    assert 150 < accepted < 1450  # both the draft and the bonus branch really ran
+    assert _chi2_pvalue(counts, exact) > 1e-3
+    assert _chi2_pvalue(counts, p1) < 1e-6  # power: not just the first token's distribution
+
+
+def test_typical_acceptance_runs_and_stays_in_the_typical_set(tiny):
+    heads = make_heads(tiny.model, "hydra", 2, 0.0)
+    ids = encode(tiny.tokenizer, PROMPTS[0])
+    sampling = SamplingConfig(temperature=0.7, acceptance="typical", seed=3)
+    dec = Decoder(tiny.model, set(), heads, Tree.from_paths(PRESETS["sparse_15"]), sampling)
+    gen = dec.speculative(ids, 30)
+    assert len(gen.tokens) == 30 and gen.steps == len(gen.accepted)

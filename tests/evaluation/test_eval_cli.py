@@ -1,0 +1,129 @@
+"""`hydra-heads eval` end to end on the tiny model: eval.json figures, trees, prompts, errors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from tests.launch.test_cli import run
+
+
+@pytest.fixture(scope="module")
+def tiny_heads(tmp_path_factory, tiny_prepared) -> Path:
+    """Hydra++ heads for tiny_random, saved as `hydra-heads train` saves them."""
+    from tests.conftest import prep_config
+    from tests.evaluation.test_decode import make_heads
+    from train.base import load_base
+    from train.checkpoint import heads_meta, save_heads
+
+    cfg = prep_config(["base=tiny_random", "out=x"]).base
+    base = load_base(cfg)
+    heads = make_heads(base.model, "hydra_pp", 0, 0.01)
+    meta = heads_meta(heads, base.fingerprint(), asdict(cfg))
+    meta["training"] = {"steps": 0, "prepared": str(tiny_prepared)}
+    return save_heads(tmp_path_factory.mktemp("heads") / "heads", heads, meta)
+
+
+def test_eval_calibrated_tree_writes_figures_and_is_lossless(tiny_heads, tmp_path):
+    out = tmp_path / "eval"
+    r = run(
+        "eval",
+        f"heads={tiny_heads}",
+        f"out={out}",
+        "tree=calibrated",
+        "tree.budget=12",
+        "tree.calibration_rows=6",
+        "eval.num_prompts=3",
+        "eval.max_new_tokens=24",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "eval.json").read_text())
+    assert res["lossless"] is True and res["mismatches"] == []
+    assert res["prompts"]["items"] == 3 and len(res["records"]) == 3
+    assert res["tau"] >= 1.0 and res["steps"] == sum(res["accepted_histogram"])
+    depth = res["tree"]["depth"]
+    assert len(res["acceptance_cumulative"]) == depth == len(res["accepted_histogram"]) - 1
+    assert res["speedup"] > 0 and res["plain_tokens_per_s"] > 0
+    assert 1 <= res["tree"]["num_nodes"] <= 12
+    calib = res["tree"]["calibration"]
+    assert len(calib["acc"]) == 4 and all(0 <= x <= 1 for row in calib["acc"] for x in row)
+    assert "tau (tokens per base forward)" in r.stdout and "speedup" in r.stdout
+    # the saved tree is reusable as is
+    again = tmp_path / "again"
+    r = run(
+        "eval",
+        f"heads={tiny_heads}",
+        f"out={again}",
+        "tree=file",
+        f"tree.path={out / 'tree.json'}",
+        "eval.num_prompts=1",
+        "eval.max_new_tokens=8",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res2 = json.loads((again / "eval.json").read_text())
+    assert res2["tree"]["paths"] == res["tree"]["paths"]
+    assert (again / "config.yaml").is_file()
+
+
+def test_eval_jsonl_prompts_multi_turn_and_bad_rows(tiny_heads, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    rows = [
+        {"prompt": "count from 1 by 2"},
+        {"turns": ["count from 3 by 1", "and again from 5"]},
+        {"messages": [{"role": "user", "content": "count from 2"}]},
+        {"nothing": 1},
+        "not an object",
+    ]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
+    out = tmp_path / "eval"
+    r = run(
+        "eval",
+        f"heads={tiny_heads}",
+        f"out={out}",
+        f"eval.prompts={prompts}",
+        "tree=branching",
+        "tree.branching=[2,2]",
+        "eval.max_new_tokens=10",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "eval.json").read_text())
+    assert res["prompts"]["items"] == 3 and res["prompts"]["generations"] == 4  # 2 turns
+    assert res["prompts"]["skipped"] == {"bad_prompt_row": 2, "invalid_json": 1}
+    assert [x["turn"] for x in res["records"]] == [0, 0, 1, 0]
+    assert res["tree"]["num_nodes"] == 6 and res["lossless"] is True
+
+
+def test_eval_sampling_reports_without_lossless_check(tiny_heads, tmp_path):
+    out = tmp_path / "eval"
+    r = run(
+        "eval",
+        f"heads={tiny_heads}",
+        f"out={out}",
+        "tree=sparse_15",
+        "eval.temperature=0.8",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=12",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "eval.json").read_text())
+    assert res["sampling"]["acceptance"] == "rejection" and res["lossless"] is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["heads=/nonexistent/heads"], "is not a heads checkpoint"),
+        (["tree=paths", "tree.paths=[[0],[0,0,0]]"], "has no parent"),
+        (["tree=mc_sim_7b_63", "base=smollm2_135m"], "were trained for a base"),
+        (["eval.prompts=/nonexistent.jsonl"], "does not exist"),
+    ],
+)
+def test_eval_bad_input_fails_clearly(tiny_heads, tmp_path, args, message):
+    own_heads = any(a.startswith("heads=") for a in args)
+    full = [*([] if own_heads else [f"heads={tiny_heads}"]), f"out={tmp_path / 'e'}", *args]
+    r = run("eval", *full)
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    assert message in r.stderr and "Traceback" not in r.stderr
