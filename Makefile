@@ -30,6 +30,8 @@ demo: setup
 	$(BIN)/hydra-heads prep data.max_conversations=2000 out=$(DEMO)/data overwrite=true
 	rm -rf $(DEMO)/train
 	$(BIN)/hydra-heads train experiment=smollm2_cpu data.prepared=$(DEMO)/data out=$(DEMO)/train
+	@# tree=auto (the default): the tree with the best expected speedup on this machine
+	$(BIN)/hydra-heads eval heads=$(DEMO)/train/heads out=$(DEMO)/eval eval.num_prompts=6 eval.max_new_tokens=96
 
 lint: setup
 	$(BIN)/ruff check .
@@ -43,6 +45,7 @@ bench: setup
 	$(BIN)/python evaluation/benchmarks/bench_prep.py
 	$(BIN)/python evaluation/benchmarks/bench_loss_memory.py
 	$(BIN)/python evaluation/benchmarks/bench_train.py
+	$(BIN)/python evaluation/benchmarks/bench_decode.py --heads $(DEMO)/train/heads
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -80,3 +80,19 @@ def test_prep_then_train_hydra_pp_on_smollm2(tmp_path):
     assert meta["training"]["steps"] == 3
     assert 0.0 <= meta["training"]["validation"]["val/top1_base_h1"] <= 1.0
     assert (out / "config.yaml").is_file() and list(out.glob("logs/*/metrics.csv"))
+    # eval: greedy speculative decoding on SmolLM2 returns exactly plain greedy's tokens, with
+    # the 63-node tree (the run fails loudly otherwise) and with a calibrated tree.
+    ev = tmp_path / "eval"
+    r = run(
+        "eval",
+        f"heads={out / 'heads'}",
+        f"out={ev}",
+        "tree=mc_sim_7b_63",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=24",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((ev / "eval.json").read_text())
+    assert res["lossless"] is True and res["prompts"]["items"] == 2
+    assert res["tree"]["num_nodes"] == 63 and res["tau"] >= 1.0
+    assert all(rec["new_tokens"] > 0 for rec in res["records"])
