@@ -27,6 +27,16 @@ def conf_dir() -> Path:
     return path
 
 
+def _register_resolvers() -> None:
+    """`${conf_path:deepspeed/zero3.json}`: a file shipped in conf/, as an absolute path."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("conf_path", lambda rel: str(conf_dir() / rel), replace=True)
+
+
+_register_resolvers()
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors caused by the user's input: shown as one clear line, not a traceback."""
     from data_prep.prepare import PrepError

@@ -44,7 +44,13 @@ def main(argv: list[str] | None = None) -> None:
         )
         raise SystemExit(2)
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    sys.argv = [f"hydra-heads {name}", *rest]
+    # Multi-process launchers (Lightning's DDP / DeepSpeed launcher) start the other ranks by
+    # re-running this process as `python -m <__main__.__spec__.name> <argv[1:]>`: make that the
+    # subcommand's own module, which runs the same app when executed, with the same overrides.
+    sys.argv = [module.__file__, *rest]
+    import __main__
+
+    __main__.__spec__ = module.__spec__
     from launch.app import run_app
 
     run_app(module.CONFIG_NAME, module.run)

@@ -115,6 +115,39 @@ class HeadsModule(pl.LightningModule):
             return self.base_model.get_input_embeddings().weight
         return self._embed_w
 
+    # -- DeepSpeed ZeRO-3 ---------------------------------------------------------------------
+    def _zero3(self) -> bool:
+        t = self._trainer
+        return t is not None and bool(getattr(t.strategy, "zero_stage_3", False))
+
+    def setup(self, stage: str) -> None:
+        if self._zero3():
+            # ZeRO-3 checkpoints leave the frozen base out (exclude_frozen_parameters); it is
+            # re-attached from the loaded base, not from the checkpoint.
+            self.strict_loading = False
+
+    def _register_external_params(self) -> None:
+        """ZeRO-3 gathers a parameter only inside its own module's forward. The loss reads the
+        heads' output projections, the teacher lm_head and the embedding table as raw tensors,
+        so they are registered with the module whose forward runs the whole step."""
+        if not self._zero3():
+            return
+        import deepspeed
+
+        top = self.trainer.strategy.model
+        top = getattr(top, "module", top)
+        params = [lm.weight for lm in self.heads.lm_heads]
+        if self.base_model is not None:
+            params += [self.teacher_weight, self.embed_weight]
+        for p in {id(p): p for p in params}.values():
+            deepspeed.zero.register_external_parameter(top, p)
+
+    def on_fit_start(self) -> None:
+        self._register_external_params()
+
+    def on_validation_start(self) -> None:
+        self._register_external_params()
+
     def train(self, mode: bool = True):
         super().train(mode)
         if self.base_model is not None:
@@ -151,7 +184,12 @@ class HeadsModule(pl.LightningModule):
         base_top1 = chunked_argmax(final, self.teacher_weight if exact else tw)  # (B, T)
         weights = lc.head_weights(self.heads.num_heads)
         # Keeps every head parameter in the graph even if a batch has no valid position (DDP).
-        total = sum(p.sum() for p in self.heads.parameters() if p.requires_grad) * 0.0
+        # Not under ZeRO-3: its parameters are empty shards outside their modules' forward,
+        # and its own gradient reduction copes with parameters a step did not use.
+        if self._zero3():
+            total = states[0].sum() * 0.0
+        else:
+            total = sum(p.sum() for p in self.heads.parameters() if p.requires_grad) * 0.0
         per_head = []
         for k in range(1, self.heads.num_heads + 1):
             L = T - k - 1

@@ -81,6 +81,12 @@ def resume_checkpoint(ckpt_dir: Path) -> Path:
         )
     # Newest first (last.ckpt wins a tie with the step file written at the same step).
     for c in sorted(cands, key=lambda c: (c.stat().st_mtime, c.name == "last.ckpt"), reverse=True):
+        if c.is_dir():  # DeepSpeed writes a directory per checkpoint, complete once `latest` is
+            if (c / "latest").is_file():
+                log.info("resuming from %s", c)
+                return c
+            log.warning("skipping incomplete DeepSpeed checkpoint %s", c)
+            continue
         try:
             torch.load(c, map_location="cpu", weights_only=False)
         except Exception as e:  # noqa: BLE001 - a damaged file is skipped, loudly
@@ -174,6 +180,8 @@ def fit(
     if cfg.final_validation and dm.val_dataloader():
         res = trainer.validate(module, datamodule=dm, verbose=False)
         val = {k: float(v) for k, v in (res[0] if res else {}).items()}
+    from train.strategies import gathered, param_share
+
     summary = {
         "steps": trainer.global_step,
         "setup_s": round(setup_s, 2),
@@ -181,15 +189,23 @@ def fit(
         "trainable_params": sum(p.numel() for p in module.heads.parameters() if p.requires_grad),
         "validation": val,
     }
-    if trainer.is_global_zero:
-        meta = {
-            **meta,
-            "training": {
-                "steps": trainer.global_step,
-                "prepared": str(Path(cfg.data.prepared).resolve()),
-                "validation": val,
-            },
-        }
-        save_heads(out / "heads", module.heads, meta)
-        (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if module.base_model is not None:
+        summary["base_params_on_rank0"] = param_share(module.base_model)
+
+    # ZeRO-3 partitions the heads too: gather them whole (on every rank, a collective), and
+    # rank 0 writes the consolidated heads.safetensors.
+    with gathered(module.heads.parameters()):
+        if trainer.is_global_zero:
+            _export(out, module, meta, summary, cfg, trainer.global_step, val)
     return summary
+
+
+def _export(out: Path, module: HeadsModule, meta: dict, summary: dict, cfg, steps: int, val):
+    """Write <out>/heads (weights + config with the training figures) and train_summary.json."""
+    training = {
+        "steps": steps,
+        "prepared": str(Path(cfg.data.prepared).resolve()),
+        "validation": val,
+    }
+    save_heads(out / "heads", module.heads, {**meta, "training": training})
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -57,3 +57,11 @@ def run(cfg) -> dict[str, Any]:
     res = run_eval(typed, resolved_yaml(cfg))
     print_summary(res, typed.out)
     return res
+
+
+if __name__ == "__main__":  # how multi-process launchers re-run this subcommand on other ranks
+    import sys
+
+    from launch.cli import main
+
+    main(["eval", *sys.argv[1:]])

@@ -53,3 +53,11 @@ def run(cfg) -> dict[str, Any]:
     stats = prepare(typed, resolved_config=resolved_yaml(cfg))
     print_stats(stats, typed.out)
     return stats
+
+
+if __name__ == "__main__":  # how multi-process launchers re-run this subcommand on other ranks
+    import sys
+
+    from launch.cli import main
+
+    main(["prep", *sys.argv[1:]])

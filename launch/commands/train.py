@@ -72,3 +72,11 @@ def run(cfg) -> dict:
     summary = fit(typed, make_trainer, logger, resolved_yaml(cfg))
     print_summary(summary, typed.head.num_heads)
     return summary
+
+
+if __name__ == "__main__":  # how multi-process launchers re-run this subcommand on other ranks
+    import sys
+
+    from launch.cli import main
+
+    main(["train", *sys.argv[1:]])
