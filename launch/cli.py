@@ -10,6 +10,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prep": ("launch.commands.prep", "chat data -> tokenized, loss-masked Arrow shards + stats"),
     "train": ("launch.commands.train", "train Medusa / Hydra / Hydra++ heads on prepared data"),
     "eval": ("launch.commands.eval", "speculative vs plain decoding: tau, acceptance, speedup"),
+    "launch": ("launch.commands.launch", "a train config as a SLURM / torchrun / DeepSpeed job"),
 }
 
 USAGE = """usage: hydra-heads <subcommand> [key=value ...] [hydra flags]

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -36,7 +36,9 @@ class TrainConfig:
     trainer: dict[str, Any]  # a lightning Trainer, built from its `_target_` by the CLI
     logger: dict[str, Any] | None = None
     seed: int = 0
-    resume: bool = False  # continue from <out>/checkpoints/last.ckpt
+    # true: continue from the newest checkpoint in <out> (fails if none); auto: continue if there
+    # is one, else start (what a requeued SLURM job needs); false: refuse to touch an old run
+    resume: bool | Literal["auto"] = False
     checkpoint_every: int = 50  # optimizer steps between resumable checkpoints
     keep_checkpoints: int = 2
     final_validation: bool = True
@@ -71,10 +73,16 @@ class SaveOnInterrupt(pl.Callback):
             log.warning("interrupted at step %d: saved %s", trainer.global_step, self.path)
 
 
+def checkpoint_candidates(out: Path) -> list[Path]:
+    """Resumable checkpoints of a run: periodic/last ones, and the ones Lightning writes on
+    SLURM's pre-emption signal before requeueing the job (hpc_ckpt_N.ckpt)."""
+    return [*(out / "checkpoints").glob("*.ckpt"), *out.glob("hpc_ckpt_*.ckpt")]
+
+
 def resume_checkpoint(ckpt_dir: Path) -> Path:
     """The newest checkpoint in `ckpt_dir` that loads: a run killed while writing one (SIGKILL
     mid-save) leaves a truncated file, and the one before it is then the place to resume."""
-    cands = list(ckpt_dir.glob("*.ckpt"))
+    cands = checkpoint_candidates(ckpt_dir.parent)
     if not cands:
         raise FileNotFoundError(
             f"resume=true but {ckpt_dir} holds no checkpoint: nothing to resume"
@@ -138,8 +146,9 @@ def fit(
     out = Path(cfg.out).expanduser()
     ckpt_dir = out / "checkpoints"
     last = ckpt_dir / "last.ckpt"
-    resume_from = resume_checkpoint(ckpt_dir) if cfg.resume else None
-    if not cfg.resume and any(ckpt_dir.glob("*.ckpt")):
+    resume = bool(checkpoint_candidates(out)) if cfg.resume == "auto" else cfg.resume
+    resume_from = resume_checkpoint(ckpt_dir) if resume else None
+    if not resume and checkpoint_candidates(out):
         raise FileExistsError(
             f"{out} already holds checkpoints; pass resume=true to continue that run, or choose "
             "another out"
@@ -187,6 +196,9 @@ def fit(
         "setup_s": round(setup_s, 2),
         "fit_s": round(fit_s, 2),
         "trainable_params": sum(p.numel() for p in module.heads.parameters() if p.requires_grad),
+        "world_size": trainer.world_size,
+        "strategy": type(trainer.strategy).__name__,
+        "cluster": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
         "validation": val,
     }
     if module.base_model is not None:

@@ -1,0 +1,134 @@
+"""`hydra-heads launch`: sbatch / torchrun / DeepSpeed commands from a train config, and a real
+submission to a one-node SLURM cluster on localhost (.ci/run starts it)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from launch.launchers import SlurmLauncher, sbatch_script, train_overrides
+from tests.launch.test_cli import run
+
+TRAIN = ["out=/tmp/job", "data.prepared=/tmp/p"]
+
+
+def test_sbatch_script_from_a_recipe():
+    r = run(
+        "launch",
+        "trainer=deepspeed_zero3",
+        "trainer.num_nodes=4",
+        "launcher.partition=gpu",
+        "launcher.account=proj",
+        "launcher.time=12:00:00",
+        "launcher.setup=[module load cuda]",
+        "dry_run=true",
+        *TRAIN,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = r.stdout
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj",
+        "#SBATCH --time=12:00:00",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=SIGUSR1@120",
+        "module load cuda",
+    ):
+        assert line in s, line
+    srun = next(x for x in s.splitlines() if x.startswith("srun "))
+    assert "-m launch train trainer=deepspeed_zero3" in srun
+    assert "trainer.num_nodes=4 trainer.devices=8 resume=auto" in srun
+    assert "dry_run" not in srun and "launcher." not in srun
+    assert srun.count("trainer.num_nodes") == 1
+
+
+def test_torchrun_and_deepspeed_commands():
+    r = run(
+        "launch",
+        "launcher=torchrun",
+        "trainer=ddp",
+        "trainer.num_nodes=2",
+        "launcher.rdzv_endpoint=node0:29400",
+        "dry_run=true",
+        *TRAIN,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    nodes = [x for x in r.stdout.splitlines() if "torch.distributed.run" in x]
+    assert len(nodes) == 2 and "--node_rank=1" in nodes[1]
+    assert all("--rdzv_endpoint=node0:29400" in x and "--module launch train" in x for x in nodes)
+    r = run(
+        "launch",
+        "launcher=deepspeed",
+        "trainer=deepspeed_zero2",
+        "launcher.hostfile=hf",
+        "dry_run=true",
+        *TRAIN,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "deepspeed.launcher.runner --hostfile=hf --num_nodes=1 --num_gpus=8" in r.stdout
+
+
+def test_launch_validates_the_train_config_first():
+    r = run("launch", "trainer.max_steps=-3", "dry_run=true", *TRAIN)
+    assert r.returncode == 2 and "trainer.max_steps" in r.stderr
+
+
+def test_override_filter_and_cpu_script():
+    assert train_overrides(
+        [
+            "launcher=slurm",
+            "launcher.nodes=2",
+            "dry_run=true",
+            "head=hydra",
+            "trainer.devices=4",
+            "+x.y=1",
+        ]
+    ) == ["head=hydra", "+x.y=1"]
+    s = sbatch_script(
+        SlurmLauncher(nodes=1, tasks_per_node=2, gpus_per_node=0), ["a=1"], "/o", "/w"
+    )
+    assert "--gpus-per-node" not in s and "#SBATCH --chdir=/w" in s
+
+
+def _slurm_up() -> bool:
+    if not shutil.which("sbatch"):
+        return False
+    r = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    return "is UP" in r.stdout
+
+
+@pytest.mark.skipif(not _slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
+def test_real_slurm_job_trains_with_two_tasks(tiny_prepared, tmp_path):
+    out = tmp_path / "job"
+    r = run(
+        "launch",
+        "launcher=slurm",
+        "launcher.gpus_per_node=0",
+        "launcher.cpus_per_task=1",
+        "launcher.time=00:10:00",
+        "launcher.wait=true",
+        "base=tiny_random",
+        "head=hydra_pp",
+        "head.num_heads=2",
+        "trainer=ddp_cpu",
+        "trainer.devices=2",
+        "trainer.max_steps=3",
+        "logger=none",
+        "data.batch_size=2",
+        "final_validation=false",
+        f"data.prepared={tiny_prepared}",
+        f"out={out}",
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "submitted job" in r.stdout
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == 3 and summary["world_size"] == 2
+    assert summary["cluster"] == "SLURMEnvironment"
+    assert (out / "heads" / "heads.safetensors").is_file()
+    assert list(out.glob("slurm-*.out")) and (out / "launch.sbatch").is_file()
