@@ -129,14 +129,25 @@ class TreeChoice:
 
 
 def choose_tree(
-    decoder, calib: Calibration, prompt, budget: int, reps: int = 3
+    decoder,
+    calib: Calibration,
+    prompt,
+    budget: int,
+    reps: int = 2,
+    min_speedup: float = 1.05,
+    new_tokens: int = 16,
 ) -> tuple[TreeChoice, list[TreeChoice]]:
     """`tree=auto`: for calibrated trees of growing size, expected speedup = expected tau x
-    plain step time / measured speculative step time on this machine. Returns the best and all
-    candidates; the empty tree (no speculation, speedup 1 by definition) is always a candidate,
-    so the choice never expects to slow decoding down."""
-    plain_s = decoder.plain_step_seconds(prompt, reps)
-    options = [TreeChoice(Tree.from_paths([]), 1.0, plain_s, 1.0)]
+    plain step time / speculative step time, both measured on this machine by decoding
+    `new_tokens` after `prompt` (all fixed costs included). Returns the best and all candidates.
+    The empty
+    tree (no speculation: speedup 1 by definition) wins unless a tree is expected to beat it by
+    `min_speedup`, a margin for timing noise, so the choice does not slow decoding down."""
+    empty = Tree.from_paths([])
+    decoder.set_tree(empty)
+    decoder.decode_step_seconds(prompt, 4, 1)  # warm-up
+    plain_s = decoder.decode_step_seconds(prompt, new_tokens, reps)
+    options = [TreeChoice(empty, 1.0, plain_s, 1.0)]
     seen = set()
     for n in candidate_sizes(budget):
         paths = grow(calib.acc, n)
@@ -146,9 +157,11 @@ def choose_tree(
         seen.add(key)
         tree = Tree.from_paths(paths)
         decoder.set_tree(tree)
-        step = decoder.step_seconds(prompt, reps)
+        step = decoder.decode_step_seconds(prompt, new_tokens, reps)
         tau = expected_length(paths, calib.acc)
         options.append(TreeChoice(tree, tau, step, tau * plain_s / step))
     best = max(options, key=lambda o: o.expected_speedup)
+    if best.expected_speedup < min_speedup:
+        best = options[0]
     decoder.set_tree(best.tree)
     return best, options

@@ -293,6 +293,19 @@ class Decoder:
         return gen
 
     @torch.no_grad()
+    def decode_step_seconds(self, prompt, new_tokens: int = 16, reps: int = 2) -> float:
+        """Wall time per base forward of a real decode of `new_tokens` after `prompt`: the
+        speculative one with the current tree (propose, verify, accept, KV upkeep and all),
+        or the plain one without a tree. The least disturbed of `reps` runs."""
+        fn = self.plain if self.tree is None or self.tree.num_nodes == 1 else self.speculative
+        best = float("inf")
+        for _ in range(reps):
+            g = fn(prompt, new_tokens)
+            if g.steps:
+                best = min(best, (g.total_s - g.prefill_s) / g.steps)
+        return best
+
+    @torch.no_grad()
     def step_seconds(self, prompt, reps: int = 3) -> float:
         """Median wall time of one speculative step (propose + verify + accept + KV upkeep) with
         the current tree, after `prompt`; each rep starts again from the same prefix."""

@@ -51,6 +51,7 @@ class TreeConfig:
     topk: int = 10  # calibrated / auto: ranks per head measured
     calibration_rows: int = 32  # held-out prepared rows measured
     calibration_length: int = 512  # tokens per row
+    min_speedup: float = 1.05  # auto: speculate only if a tree is expected to beat plain by this
 
     def __post_init__(self) -> None:
         need = {"preset": "name", "branching": "branching", "paths": "paths", "file": "path"}
@@ -59,6 +60,8 @@ class TreeConfig:
             fail(f"{key}", None, f"tree.kind={self.kind} needs tree.{key}")
         if self.kind == "preset" and self.name != "chain" and self.name not in PRESETS:
             fail("name", self.name, f"one of chain, {', '.join(PRESETS)}")
+        if self.min_speedup < 1:
+            fail("min_speedup", self.min_speedup, "a ratio >= 1")
         for key in ("budget", "topk", "calibration_rows", "calibration_length"):
             if getattr(self, key) < 1:
                 fail(key, getattr(self, key), "a positive integer")
@@ -266,7 +269,9 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
         if tc.kind == "calibrated":
             tree = Tree.from_paths(grow(calib.acc, tc.budget), heads.num_heads)
         else:
-            best, options = choose_tree(decoder, calib, item_prompt(items[0]), tc.budget)
+            best, options = choose_tree(
+                decoder, calib, item_prompt(items[0]), tc.budget, min_speedup=tc.min_speedup
+            )
             tree = best.tree
             tree_info["auto"] = [
                 {

@@ -11,6 +11,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("launch.commands.train", "train Medusa / Hydra / Hydra++ heads on prepared data"),
     "eval": ("launch.commands.eval", "speculative vs plain decoding: tau, acceptance, speedup"),
     "launch": ("launch.commands.launch", "a train config as a SLURM / torchrun / DeepSpeed job"),
+    "plan": ("launch.commands.plan", "per-GPU memory of a train config: fits, or what would"),
 }
 
 USAGE = """usage: hydra-heads <subcommand> [key=value ...] [hydra flags]

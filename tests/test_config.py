@@ -16,6 +16,8 @@ PRIMARY = {
     "prep": "launch.commands.prep",
     "train": "launch.commands.train",
     "eval": "launch.commands.eval",
+    "launch": "launch.commands.launch",
+    "plan": "launch.commands.plan",
 }
 # Which subcommand composes each config group (the first one listed is used in the test).
 USERS = {
@@ -26,8 +28,11 @@ USERS = {
     "logger": ["train"],
     "experiment": ["train"],
     "tree": ["eval"],
+    "launcher": ["launch"],
 }
-GROUPS = sorted(p.name for p in conf_dir().iterdir() if p.is_dir())
+# conf/deepspeed/ holds DeepSpeed's own JSON configs (referenced by the trainer configs), not
+# a config group.
+GROUPS = sorted(p.name for p in conf_dir().iterdir() if p.is_dir() and any(p.glob("*.yaml")))
 
 
 def _options(group: str) -> list[str]:
@@ -63,6 +68,11 @@ def test_every_group_option_composes_and_validates(group):
             if primary == "train":
                 overrides.append("data.prepared=/tmp/p")
                 cfg = to_typed(compose("train", overrides), TrainConfig)
+            elif primary == "launch":
+                overrides.append("data.prepared=/tmp/p")
+                cfg = compose("launch", overrides)
+                assert cfg.launcher.name == option
+                continue
             elif primary == "eval":
                 cfg = to_typed(compose("eval", [*overrides, "heads=/tmp/h"]), EvalConfig)
             else:
@@ -185,3 +195,17 @@ def test_eval_defaults_follow_temperature():
             compose("eval", [*base, "eval.temperature=0.7", "eval.check_lossless=true"]),
             EvalConfig,
         )
+
+
+def test_deepspeed_configs_are_valid_json_and_resolve():
+    import json
+
+    from omegaconf import OmegaConf
+
+    for name in ("zero2", "zero3", "zero3_offload"):
+        ds = json.loads((conf_dir() / "deepspeed" / f"{name}.json").read_text())
+        assert ds["zero_optimization"]["stage"] == (2 if name == "zero2" else 3)
+        cfg = compose("train", [f"trainer=deepspeed_{name}", "out=/x", "data.prepared=/p"])
+        resolved = OmegaConf.to_container(cfg.trainer, resolve=True)
+        assert Path(resolved["strategy"]["config"]).is_file(), resolved["strategy"]
+        assert resolved["strategy"]["micro_batch_size"] == cfg.data.batch_size

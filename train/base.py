@@ -79,6 +79,9 @@ class BaseConfig:
     # GGUF only: dequantize once and keep a safetensors copy in the user cache dir.
     cache: bool = True
     tiny: TinyConfig = field(default_factory=TinyConfig)
+    # Architecture numbers for `hydra-heads plan` when the model itself is not at hand
+    # (hidden_size, num_hidden_layers, intermediate_size, num_attention_heads, ...).
+    arch: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.source in ("gguf_package",) and not (self.package and self.gguf_file):

@@ -10,8 +10,9 @@ Prints, from one run on this machine:
      decode step (one token, no mask); the output projection is timed apart, since the verifier
      projects only the ~tau rows its walk down the tree reaches;
   2. per tree (chain, mc_sim_7b_63, sparse presets, calibrated trees of several sizes): the
-     cost of one proposal by the heads and of one whole speculative step relative to a plain
-     step, and from it the break-even tau (speculation pays when tau exceeds step / plain);
+     cost of one proposal by the heads, and of one whole speculative step (a real 24-token
+     decode, per base forward) relative to a plain step, and from it the break-even tau
+     (speculation pays when tau exceeds step / plain);
   3. the measured speculative / plain wall-clock ratio on held-out prompts, decoded both ways
      interleaved in the same run, for the chain, the 63-node tree and the `tree=auto` choice.
 
@@ -133,7 +134,9 @@ def main() -> None:
     }
     prompt = prompts[0]
     ctx = torch.zeros(model.config.hidden_size)  # the proposal's cost does not depend on it
-    plain_step = dec.plain_step_seconds(prompt, args.reps)
+    dec.set_tree(Tree.from_paths([]))
+    dec.decode_step_seconds(prompt, 4, 1)  # warm-up
+    plain_step = dec.decode_step_seconds(prompt, 24, 3)
     t = Table(
         title=f"speculative step vs plain step ({plain_step * 1e3:.1f} ms) after a "
         f"{len(prompt)}-token prompt"
@@ -152,7 +155,7 @@ def main() -> None:
         tree = Tree.from_paths(paths, heads.num_heads)
         dec.set_tree(tree)
         prop = median_time(lambda: dec.propose(ctx, 0, len(prompt)), args.reps)
-        step = dec.step_seconds(prompt, args.reps)
+        step = dec.decode_step_seconds(prompt, 24, 3)
         t.add_row(
             name,
             str(tree.num_nodes - 1),
