@@ -10,7 +10,6 @@ token that roots the next tree.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -304,46 +303,6 @@ class Decoder:
             if g.steps:
                 best = min(best, (g.total_s - g.prefill_s) / g.steps)
         return best
-
-    @torch.no_grad()
-    def step_seconds(self, prompt, reps: int = 3) -> float:
-        """Median wall time of one speculative step (propose + verify + accept + KV upkeep) with
-        the current tree, after `prompt`; each rep starts again from the same prefix."""
-        ids = self._prompt(prompt)
-        if self.tree is None or self.tree.num_nodes == 1:
-            return self.plain_step_seconds(prompt, reps)
-        st = self._prefill(ids)
-        L, root, ctx = st.length, st.root, st.ctx
-        times = []
-        for _ in range(reps + 1):  # the first rep warms up
-            gen = Generation([], "length")
-            t = time.perf_counter()
-            self._step(st, gen)
-            times.append(time.perf_counter() - t)
-            for layer in st.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, :L], layer.values[:, :, :L]
-            st.head_cache.crop(L)
-            st.length, st.root, st.ctx = L, root, ctx
-        return statistics.median(times[1:])
-
-    @torch.no_grad()
-    def plain_step_seconds(self, prompt, reps: int = 3) -> float:
-        """Median wall time of one plain decode step (one token) after `prompt`."""
-        ids = self._prompt(prompt)
-        L = ids.numel()
-        cache = new_cache(self.model)
-        final, _ = self._forward(ids, torch.arange(L, device=self.device), cache)
-        token = torch.tensor([self._next_token(final)], device=self.device)
-        pos = torch.tensor([L], device=self.device)
-        times = []
-        for _ in range(reps + 1):
-            t = time.perf_counter()
-            final, _ = self._forward(token, pos, cache)
-            self._next_token(final)
-            times.append(time.perf_counter() - t)
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, :L], layer.values[:, :, :L]
-        return statistics.median(times[1:])
 
 
 @dataclass
