@@ -132,3 +132,31 @@ def test_real_slurm_job_trains_with_two_tasks(tiny_prepared, tmp_path):
     assert summary["cluster"] == "SLURMEnvironment"
     assert (out / "heads" / "heads.safetensors").is_file()
     assert list(out.glob("slurm-*.out")) and (out / "launch.sbatch").is_file()
+
+
+@pytest.mark.skipif(not _slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
+def test_sweep_points_run_as_slurm_jobs_through_submitit(tiny_prepared, tmp_path):
+    """`hydra-heads train -m ... hydra/launcher=submitit_slurm`: one SLURM job per point."""
+    r = run(
+        "train",
+        "-m",
+        "head=medusa,hydra",
+        "base=tiny_random",
+        f"out={tmp_path}/${{head.name}}",
+        f"data.prepared={tiny_prepared}",
+        "trainer.max_steps=2",
+        "logger=none",
+        "final_validation=false",
+        "data.batch_size=2",
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.timeout_min=10",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.tasks_per_node=1",
+        "hydra.launcher.gpus_per_node=0",
+        f"hydra.sweep.dir={tmp_path}/multirun",
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for head in ("medusa", "hydra"):
+        meta = json.loads((tmp_path / head / "heads" / "heads_config.json").read_text())
+        assert meta["arch"] == head and meta["training"]["steps"] == 2
+    assert list((tmp_path / "multirun").rglob("*_log.out"))  # submitit's per-job SLURM logs
