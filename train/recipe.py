@@ -197,6 +197,7 @@ def fit(
         "fit_s": round(fit_s, 2),
         "trainable_params": sum(p.numel() for p in module.heads.parameters() if p.requires_grad),
         "world_size": trainer.world_size,
+        "global_rank": trainer.global_rank,
         "strategy": type(trainer.strategy).__name__,
         "cluster": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
         "validation": val,

@@ -70,7 +70,8 @@ def run(cfg) -> dict:
         return instantiate(cfg.trainer, **kwargs)
 
     summary = fit(typed, make_trainer, logger, resolved_yaml(cfg))
-    print_summary(summary, typed.head.num_heads)
+    if summary.get("global_rank", 0) == 0:  # one table, not one per process
+        print_summary(summary, typed.head.num_heads)
     return summary
 
 
