@@ -165,3 +165,34 @@ def test_resume_without_checkpoints_and_rerun_without_resume_fail_clearly(tiny_p
     cfg.resume = False
     with pytest.raises(FileExistsError, match="resume=true"):
         fit(cfg, lambda **k: None)
+
+
+def test_resume_auto_starts_fresh_then_continues(tiny_prepared, tmp_path):
+    """resume=auto (what a requeued SLURM job runs): no checkpoint -> a new run; checkpoints,
+    including Lightning's SLURM hpc_ckpt_N.ckpt in <out> -> continue from the newest."""
+    from tests.launch.test_cli import run
+
+    out = tmp_path / "run"
+    common = [
+        "base=tiny_random",
+        "head=hydra",
+        f"data.prepared={tiny_prepared}",
+        f"out={out}",
+        "resume=auto",
+        "logger=none",
+        "final_validation=false",
+        "checkpoint_every=2",
+    ]
+    r = run("train", *common, "trainer.max_steps=2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    # what Lightning's SIGUSR1 handler leaves before requeueing: the newest checkpoint
+    newest = out / "hpc_ckpt_1.ckpt"
+    newest.write_bytes((out / "checkpoints" / "last.ckpt").read_bytes())
+    from train.recipe import checkpoint_candidates, resume_checkpoint
+
+    assert newest in checkpoint_candidates(out)
+    assert resume_checkpoint(out / "checkpoints") == newest
+    r = run("train", *common, "trainer.max_steps=4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"resuming from {newest}" in r.stdout + r.stderr
+    assert json.loads((out / "train_summary.json").read_text())["steps"] == 4
