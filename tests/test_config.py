@@ -209,3 +209,15 @@ def test_deepspeed_configs_are_valid_json_and_resolve():
         resolved = OmegaConf.to_container(cfg.trainer, resolve=True)
         assert Path(resolved["strategy"]["config"]).is_file(), resolved["strategy"]
         assert resolved["strategy"]["micro_batch_size"] == cfg.data.batch_size
+
+
+@pytest.mark.parametrize("trainer", _options("trainer"))
+def test_every_trainer_strategy_instantiates(trainer):
+    from hydra.utils import instantiate
+
+    cfg = compose("train", [f"trainer={trainer}", "out=/x", "data.prepared=/p"])
+    strategy = cfg.trainer.get("strategy")
+    if strategy is None:
+        return  # cpu / gpu: Lightning's default single-device strategy
+    obj = instantiate(strategy)
+    assert type(obj).__name__.endswith("Strategy"), type(obj)
