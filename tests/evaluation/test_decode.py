@@ -54,7 +54,12 @@ def encode(tok, text: str) -> list[int]:
     eos_at=st.integers(0, 40),
 )
 @settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=40,
+    deadline=None,
+    # replay the same examples every run: a float near-tie between the tree pass and the
+    # one-token pass could flip an argmax (rare, never seen here), and CI must not flake on it
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 def test_greedy_speculative_equals_plain_greedy(
     tiny, paths, arch, seed, scale, draft, prompt, eos_at
