@@ -203,7 +203,7 @@ class Decoder:
         for lv in tree.levels:
             k = lv.depth - 1
             if heads.uses_path:
-                path = tokens[tree.ancestors[lv.parents, : lv.depth]]  # (P, depth): root..parent
+                path = tokens[lv.parent_paths]  # (P, depth): root..parent
                 cand = heads.candidates(k, ctx.expand(path.shape[0], -1), path, self.embed, lv.topk)
                 tokens[lv.nodes] = cand[lv.row, lv.ranks]
             else:  # Medusa: one distribution per depth, shared by every parent

@@ -138,7 +138,8 @@ class Tree:
             parents = torch.unique(par)  # sorted, so rows follow node order
             row = torch.searchsorted(parents, par)
             topk = int(self.rank[nodes].max()) + 1
-            out.append(Level(d, parents, nodes, row, self.rank[nodes], topk))
+            paths = self.ancestors[parents, :d]  # each parent's node ids, root first
+            out.append(Level(d, parents, paths, nodes, row, self.rank[nodes], topk))
         return tuple(out)
 
     def check_heads(self, num_heads: int) -> None:
@@ -176,11 +177,13 @@ class Tree:
 
 @dataclass(frozen=True)
 class Level:
-    """One depth of a tree: head `depth` expands `parents`; node `nodes[i]` gets rank
-    `ranks[i]` of row `row[i]` of that head's top-`topk` candidates."""
+    """One depth of a tree: head `depth` expands `parents` (whose root-to-parent node ids are
+    `parent_paths`, (P, depth)); node `nodes[i]` gets rank `ranks[i]` of row `row[i]` of that
+    head's top-`topk` candidates."""
 
     depth: int
     parents: torch.Tensor
+    parent_paths: torch.Tensor
     nodes: torch.Tensor
     row: torch.Tensor
     ranks: torch.Tensor

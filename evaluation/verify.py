@@ -130,6 +130,12 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def typical_threshold(p: torch.Tensor, threshold: float, alpha: float) -> torch.Tensor:
+    """Medusa's typical-set bound per distribution p (..., V): min(threshold, alpha e^-H(p))."""
+    entropy = -(p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))).sum(-1)
+    return torch.clamp(alpha * torch.exp(-entropy), max=threshold)
+
+
 def accept_typical(
     tree: Tree,
     tokens: torch.Tensor,
@@ -143,8 +149,7 @@ def accept_typical(
     node's distribution, so it projects all of them."""
     dev = tokens.device
     p = F.softmax(logits(torch.arange(tokens.shape[0], device=dev)).float() / temperature, -1)
-    entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # (N,)
-    thr = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+    thr = typical_threshold(p, threshold, alpha)  # (N,)
     parent = tree.parent.to(dev)
     cand = torch.ones(tokens.shape[0], dtype=p.dtype, device=dev)
     cand[1:] = p[parent[1:], tokens[1:]]
@@ -201,7 +206,5 @@ def sample_token(
         return int(logits.argmax())
     p = F.softmax(logits.double() / temperature, dim=-1)
     if typical is not None:
-        entropy = -(p * torch.log(p.clamp_min(1e-300))).sum()
-        thr = min(typical[0], typical[1] * float(torch.exp(-entropy)))
-        p = torch.where(p > thr, p, 0.0)
+        p = torch.where(p > typical_threshold(p, *typical), p, 0.0)
     return _sample(p, generator)
