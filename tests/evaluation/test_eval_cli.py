@@ -27,20 +27,24 @@ def tiny_heads(tmp_path_factory, tiny_prepared) -> Path:
     return save_heads(tmp_path_factory.mktemp("heads") / "heads", heads, meta)
 
 
+def _eval(heads: Path, out: Path, *args: str):
+    """`hydra-heads eval` that must succeed: (the process, its eval.json)."""
+    r = run("eval", f"heads={heads}", f"out={out}", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, json.loads((out / "eval.json").read_text())
+
+
 def test_eval_calibrated_tree_writes_figures_and_is_lossless(tiny_heads, tmp_path):
     out = tmp_path / "eval"
-    r = run(
-        "eval",
-        f"heads={tiny_heads}",
-        f"out={out}",
+    r, res = _eval(
+        tiny_heads,
+        out,
         "tree=calibrated",
         "tree.budget=12",
         "tree.calibration_rows=6",
         "eval.num_prompts=3",
         "eval.max_new_tokens=24",
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads((out / "eval.json").read_text())
     assert res["lossless"] is True and res["mismatches"] == []
     assert res["prompts"]["items"] == 3 and len(res["records"]) == 3
     assert res["tau"] >= 1.0 and res["steps"] == sum(res["accepted_histogram"])
@@ -53,17 +57,14 @@ def test_eval_calibrated_tree_writes_figures_and_is_lossless(tiny_heads, tmp_pat
     assert "tau (tokens per base forward)" in r.stdout and "speedup" in r.stdout
     # the saved tree is reusable as is
     again = tmp_path / "again"
-    r = run(
-        "eval",
-        f"heads={tiny_heads}",
-        f"out={again}",
+    _, res2 = _eval(
+        tiny_heads,
+        again,
         "tree=file",
         f"tree.path={out / 'tree.json'}",
         "eval.num_prompts=1",
         "eval.max_new_tokens=8",
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    res2 = json.loads((again / "eval.json").read_text())
     assert res2["tree"]["paths"] == res["tree"]["paths"]
     assert (again / "config.yaml").is_file()
 
@@ -78,18 +79,14 @@ def test_eval_jsonl_prompts_multi_turn_and_bad_rows(tiny_heads, tmp_path):
         "not an object",
     ]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
-    out = tmp_path / "eval"
-    r = run(
-        "eval",
-        f"heads={tiny_heads}",
-        f"out={out}",
+    _, res = _eval(
+        tiny_heads,
+        tmp_path / "eval",
         f"eval.prompts={prompts}",
         "tree=branching",
         "tree.branching=[2,2]",
         "eval.max_new_tokens=10",
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads((out / "eval.json").read_text())
     assert res["prompts"]["items"] == 3 and res["prompts"]["generations"] == 4  # 2 turns
     assert res["prompts"]["skipped"] == {"bad_prompt_row": 2, "invalid_json": 1}
     assert [x["turn"] for x in res["records"]] == [0, 0, 1, 0]
@@ -97,18 +94,14 @@ def test_eval_jsonl_prompts_multi_turn_and_bad_rows(tiny_heads, tmp_path):
 
 
 def test_eval_sampling_reports_without_lossless_check(tiny_heads, tmp_path):
-    out = tmp_path / "eval"
-    r = run(
-        "eval",
-        f"heads={tiny_heads}",
-        f"out={out}",
+    _, res = _eval(
+        tiny_heads,
+        tmp_path / "eval",
         "tree=sparse_15",
         "eval.temperature=0.8",
         "eval.num_prompts=2",
         "eval.max_new_tokens=12",
     )
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads((out / "eval.json").read_text())
     assert res["sampling"]["acceptance"] == "rejection" and res["lossless"] is None
 
 
