@@ -324,16 +324,129 @@ class FrozenBase:
 
     def fingerprint(self) -> dict[str, Any]:
         """Shape identity of the base: heads trained on it only load onto a base that matches."""
-        shapes = sorted((k, tuple(v.shape)) for k, v in self.model.state_dict().items())
-        digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
-        return {
-            "name": self.cfg.name,
-            "model_type": getattr(self.config, "model_type", None),
-            "hidden_size": self.hidden_size,
-            "vocab_size": self.vocab_size,
-            "num_hidden_layers": self.num_layers,
-            "shapes_sha256": digest,
-        }
+        return _fingerprint(self.cfg.name, self.config, self.model.state_dict())
+
+    def output_weight(self) -> torch.Tensor:
+        """The base lm_head weight (V, H) that heads' output projections start from."""
+        return self.lm_head.weight
+
+
+def _fingerprint(name: str, config: Any, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    shapes = sorted((k, tuple(v.shape)) for k, v in state.items())
+    return {
+        "name": name,
+        "model_type": getattr(config, "model_type", None),
+        "hidden_size": int(config.hidden_size),
+        "vocab_size": int(config.vocab_size),
+        "num_hidden_layers": int(config.num_hidden_layers),
+        "shapes_sha256": hashlib.sha256(repr(shapes).encode()).hexdigest()[:16],
+    }
+
+
+def model_dir(cfg: BaseConfig) -> str:
+    """A local safetensors model directory for `cfg` (GGUF bases: the dequantized cache copy)."""
+    if cfg.source == "pretrained":
+        return _resolve_pretrained(cfg)
+    if cfg.source in ("gguf_package", "gguf_file"):
+        return str(_ensure_gguf_cache(resolve_gguf(cfg)))
+    raise BaseLoadError(f"base.source={cfg.source} has no model directory")
+
+
+def _read_tensor(directory: Path, names: list[str]) -> torch.Tensor:
+    """The first of `names` found in the safetensors files of `directory`, read alone."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (directory / "model.safetensors").is_file():
+        with safe_open(str(directory / "model.safetensors"), "pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    else:
+        raise BaseLoadError(
+            f"{directory} holds no safetensors weights; ZeRO-3 sharded loading reads "
+            "safetensors only. Convert the model once with `save_pretrained(..., "
+            "safe_serialization=True)`."
+        )
+    for name in names:
+        if name in weight_map:
+            with safe_open(str(directory / weight_map[name]), "pt") as f:
+                return f.get_tensor(name)
+    raise BaseLoadError(f"none of {names} is in the weights of {directory}")
+
+
+class DeferredBase:
+    """A base whose weights are loaded later, inside the training strategy's sharding context.
+
+    Under DeepSpeed ZeRO-3 a base bigger than one GPU must never exist whole in one process:
+    the strategy calls `load(ds_config)` from `configure_model`, where `from_pretrained` builds
+    the model under `zero.Init` and rank 0 streams the weights into the shards. Until then this
+    object answers what heads are built from: the config, the tokenizer, the shape fingerprint
+    (from a meta-device skeleton, identical to the loaded model's) and the lm_head weight,
+    read alone from the safetensors files.
+    """
+
+    def __init__(self, cfg: BaseConfig):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if cfg.source == "tiny_random":
+            raise BaseLoadError("a tiny_random base is built whole; it has no deferred loading")
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg)
+        self.dir = Path(model_dir(cfg))
+        self.config = AutoConfig.from_pretrained(
+            str(self.dir), trust_remote_code=cfg.trust_remote_code
+        )
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(
+                self.config, trust_remote_code=cfg.trust_remote_code
+            )
+        self._fingerprint = _fingerprint(cfg.name, self.config, skeleton.state_dict())
+        out_w = skeleton.get_output_embeddings().weight
+        # Tied weights sit in the file under either name.
+        self._out_names = [
+            n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is out_w
+        ]
+        if self.vocab_size < len(self.tokenizer):
+            raise BaseLoadError(
+                f"tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
+                f"{self.vocab_size}: base.path points at mismatched files."
+            )
+
+    vocab_size = FrozenBase.vocab_size
+    hidden_size = FrozenBase.hidden_size
+
+    def fingerprint(self) -> dict[str, Any]:
+        return dict(self._fingerprint)
+
+    def output_weight(self) -> torch.Tensor:
+        w = _read_tensor(self.dir, self._out_names)
+        dtype = None if self.cfg.dtype == "auto" else DTYPES[self.cfg.dtype]
+        return w if dtype is None else w.to(dtype)
+
+    def load(self, ds_config: dict | None) -> nn.Module:
+        """The frozen model; with a ZeRO-3 `ds_config` it is built partitioned across ranks."""
+        from transformers import AutoModelForCausalLM
+
+        dtype = None if self.cfg.dtype == "auto" else DTYPES[self.cfg.dtype]
+        keep = None
+        if ds_config is not None:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            # transformers holds only a weak reference: it must stay alive through the load.
+            keep = HfDeepSpeedConfig(ds_config)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(self.dir),
+                dtype=dtype if dtype is not None else "auto",
+                trust_remote_code=self.cfg.trust_remote_code,
+            )
+        finally:
+            if keep is not None:
+                from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+                unset_hf_deepspeed_config()
+        return freeze(model)
 
 
 def _tiny_model(cfg: BaseConfig, vocab_size: int, dtype: torch.dtype | None):
@@ -393,6 +506,7 @@ __all__ = [
     "BaseConfig",
     "BaseLoadError",
     "ConfigError",
+    "DeferredBase",
     "FrozenBase",
     "TinyConfig",
     "cache_root",

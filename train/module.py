@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
@@ -86,6 +87,7 @@ class HeadsModule(pl.LightningModule):
         embed_weight: torch.Tensor | None = None,
         hidden_state_offset: int = 0,
         meta: dict | None = None,
+        base_loader: Callable[[dict | None], nn.Module] | None = None,
     ):
         super().__init__()
         self.heads = heads
@@ -95,7 +97,9 @@ class HeadsModule(pl.LightningModule):
         self.offset = hidden_state_offset
         self.meta = meta or {}
         self.base_model = base_model
-        if base_model is None:
+        # Loads the base inside configure_model (ZeRO-3: partitioned as it is built).
+        self._base_loader = base_loader
+        if base_model is None and base_loader is None:
             if teacher_weight is None or embed_weight is None:
                 raise ValueError("offline training needs the base lm_head and embedding weights")
             self.register_buffer("_teacher_w", teacher_weight.detach().clone(), persistent=False)
@@ -119,6 +123,15 @@ class HeadsModule(pl.LightningModule):
     def _zero3(self) -> bool:
         t = self._trainer
         return t is not None and bool(getattr(t.strategy, "zero_stage_3", False))
+
+    def configure_model(self) -> None:
+        """Lightning runs this under the strategy's sharding context (`zero.Init` for ZeRO-3),
+        once the process group exists: the deferred base is loaded here, straight into shards."""
+        if self.base_model is not None or self._base_loader is None:
+            return
+        ds_config = self.trainer.strategy.config if self._zero3() else None
+        self.base_model = self._base_loader(ds_config)
+        self.base_load = "zero3_sharded" if ds_config is not None else "deferred"
 
     def setup(self, stage: str) -> None:
         if self._zero3():

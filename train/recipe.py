@@ -13,7 +13,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
-from train.base import BaseConfig, load_base
+from train.base import BaseConfig, DeferredBase, load_base
 from train.checkpoint import heads_meta, save_heads
 from train.config import fail
 from train.data import PreparedDataModule, TrainDataConfig, load_prepared, token_counts
@@ -105,9 +105,15 @@ def resume_checkpoint(ckpt_dir: Path) -> Path:
     raise FileNotFoundError(f"no readable checkpoint in {ckpt_dir}; cannot resume")
 
 
-def build_module(cfg: TrainConfig) -> tuple[HeadsModule, PreparedDataModule, dict]:
-    """Base, data, draft vocab, heads and the LightningModule, from the typed config."""
-    base = load_base(cfg.base)
+def build_module(
+    cfg: TrainConfig, defer_base: bool = False
+) -> tuple[HeadsModule, PreparedDataModule, dict]:
+    """Base, data, draft vocab, heads and the LightningModule, from the typed config.
+
+    `defer_base`: the base weights are loaded later, in `HeadsModule.configure_model` under the
+    strategy's sharding context (ZeRO-3); the heads start from the lm_head read from disk."""
+    offline = cfg.data.offline
+    base = DeferredBase(cfg.base) if defer_base else load_base(cfg.base)
     fp = base.fingerprint()
     dd = load_prepared(cfg.data.prepared, base.vocab_size, cfg.data.offline)
     draft_ids = None
@@ -116,19 +122,19 @@ def build_module(cfg: TrainConfig) -> tuple[HeadsModule, PreparedDataModule, dic
         draft_ids = top_tokens(token_counts(dd["train"], base.vocab_size), n)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        heads = build_heads(cfg.head, base_shape(base.config), base.lm_head.weight, draft_ids)
+        heads = build_heads(cfg.head, base_shape(base.config), base.output_weight(), draft_ids)
     meta = heads_meta(heads, fp, asdict(cfg.base))
-    offline = cfg.data.offline
     module = HeadsModule(
         heads,
         cfg.optim,
         cfg.head.loss,
         max_steps=cfg.trainer["max_steps"],
-        base_model=None if offline else base.model,
+        base_model=None if offline or defer_base else base.model,
         teacher_weight=base.lm_head.weight if offline else None,
         embed_weight=base.embed_tokens.weight if offline else None,
         hidden_state_offset=cfg.head.hidden_state_offset,
         meta=meta,
+        base_loader=base.load if defer_base else None,
     )
     pad = base.tokenizer.pad_token_id
     dm = PreparedDataModule(cfg.data, 0 if pad is None else pad, cfg.seed, base.vocab_size)
@@ -154,12 +160,6 @@ def fit(
             "another out"
         )
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    t0 = time.perf_counter()
-    module, dm, meta = build_module(cfg)
-    setup_s = time.perf_counter() - t0
-    out.mkdir(parents=True, exist_ok=True)
-    if resolved_config is not None:
-        (out / "config.yaml").write_text(resolved_config)
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     callbacks = [
@@ -176,6 +176,19 @@ def fit(
         SaveOnInterrupt(last),
     ]
     trainer = make_trainer(callbacks=callbacks, logger=logger, default_root_dir=str(out))
+    # Under ZeRO-3 a base bigger than one GPU (or one host's share) must be built already
+    # partitioned: its loading waits for the strategy's zero.Init context (configure_model).
+    defer = (
+        bool(getattr(trainer.strategy, "zero_stage_3", False))
+        and not cfg.data.offline
+        and cfg.base.source != "tiny_random"
+    )
+    t0 = time.perf_counter()
+    module, dm, meta = build_module(cfg, defer_base=defer)
+    setup_s = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    if resolved_config is not None:
+        (out / "config.yaml").write_text(resolved_config)
     t1 = time.perf_counter()
     # Our own checkpoints also hold numpy / python RNG states: not loadable as weights only.
     trainer.fit(
@@ -200,6 +213,11 @@ def fit(
         "global_rank": trainer.global_rank,
         "strategy": type(trainer.strategy).__name__,
         "cluster": type(getattr(trainer.strategy, "cluster_environment", None)).__name__,
+        # zero3_sharded: built under zero.Init, never whole in one process; full: every rank
+        # loaded the whole base (partitioned afterwards under ZeRO-3)
+        "base_load": getattr(
+            module, "base_load", "full" if module.base_model is not None else "offline"
+        ),
         "validation": val,
     }
     if module.base_model is not None:

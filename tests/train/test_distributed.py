@@ -88,3 +88,39 @@ def test_deepspeed_on_cpu_trains_like_one_process(tiny_prepared, tmp_path, one_p
     loaded, meta = load_heads(out / "heads", base.fingerprint())
     assert meta["training"]["steps"] == 4
     assert _max_diff({k: v for k, v in loaded.state_dict().items()}, heads) == 0.0
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny_random base saved as an ordinary safetensors model directory."""
+    from tests.conftest import prep_config
+    from train.base import load_base
+
+    d = tmp_path_factory.mktemp("tiny_model")
+    base = load_base(prep_config(["base=tiny_random", "out=x"]).base)
+    base.model.save_pretrained(d, safe_serialization=True)
+    base.tokenizer.save_pretrained(d)
+    return d
+
+
+def test_zero3_builds_a_pretrained_base_sharded(
+    tiny_prepared, tiny_model_dir, tmp_path, one_process
+):
+    """A base from a model dir is never whole in one process under ZeRO-3: it is built under
+    zero.Init in configure_model and rank 0 streams the weights into the shards. Training must
+    still match one process that loaded the same base whole."""
+    out = tmp_path / "sharded"
+    as_dir = ["base.source=pretrained", f"+base.path={tiny_model_dir}"]
+    heads = _train(tiny_prepared, out, "trainer=deepspeed_zero3", *DS_CPU, *as_dir)
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["base_load"] == "zero3_sharded", summary
+    assert 0.45 < summary["base_params_on_rank0"]["fraction"] < 0.55, summary
+    assert _max_diff(heads, one_process) < 1e-5
+    # the deferred fingerprint (from a meta skeleton) is the loaded model's own
+    from tests.conftest import prep_config
+    from train.base import load_base
+    from train.checkpoint import load_heads
+
+    base = load_base(prep_config(["base=tiny_random", "out=x", *as_dir]).base)
+    _, meta = load_heads(out / "heads", base.fingerprint())
+    assert meta["base"]["shapes_sha256"] == base.fingerprint()["shapes_sha256"]
