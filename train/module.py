@@ -329,8 +329,9 @@ class HeadsModule(pl.LightningModule):
         saved = checkpoint.get("hydra_heads") or {}
         if saved and self.meta:
             check_base(saved, self.meta["base"], "in the checkpoint")
-        if self.base_model is not None:
-            sd = checkpoint["state_dict"]
+        # DeepSpeed's engine restores the module weights itself: its client state has none.
+        sd = checkpoint.get("state_dict")
+        if self.base_model is not None and sd is not None:
             for k, v in self.base_model.state_dict(prefix="base_model.").items():
                 sd.setdefault(k, v)
         # Applied just before the next training batch: restoring it here would let whatever

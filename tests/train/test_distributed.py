@@ -111,7 +111,8 @@ def test_zero3_builds_a_pretrained_base_sharded(
     still match one process that loaded the same base whole."""
     out = tmp_path / "sharded"
     as_dir = ["base.source=pretrained", f"+base.path={tiny_model_dir}"]
-    heads = _train(tiny_prepared, out, "trainer=deepspeed_zero3", *DS_CPU, *as_dir)
+    z3 = ["trainer=deepspeed_zero3", *DS_CPU, *as_dir, "checkpoint_every=2"]
+    heads = _train(tiny_prepared, out, *z3)
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["base_load"] == "zero3_sharded", summary
     assert 0.45 < summary["base_params_on_rank0"]["fraction"] < 0.55, summary
@@ -124,3 +125,15 @@ def test_zero3_builds_a_pretrained_base_sharded(
     base = load_base(prep_config(["base=tiny_random", "out=x", *as_dir]).base)
     _, meta = load_heads(out / "heads", base.fingerprint())
     assert meta["base"]["shapes_sha256"] == base.fingerprint()["shapes_sha256"]
+
+    # Killed after step 2: only that DeepSpeed checkpoint survives. Resuming it (the base is
+    # rebuilt sharded, the engine restores the heads' shards and optimizer) ends where the
+    # uninterrupted run ended.
+    import shutil
+
+    ckpts = out / "checkpoints"
+    for name in ("last.ckpt", "step000004.ckpt"):
+        shutil.rmtree(ckpts / name)
+    (out / "heads" / "heads.safetensors").unlink()
+    resumed = _train(tiny_prepared, out, *z3, "resume=true")
+    assert _max_diff(resumed, heads) < 1e-6
