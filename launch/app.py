@@ -43,6 +43,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from data_prep.readers import DataError
     from data_prep.template import TemplateError
     from evaluation.evaluate import LosslessError
+    from evaluation.report import ReportError
     from evaluation.tree import TreeError
     from train.base import BaseLoadError
     from train.checkpoint import HeadsMismatchError
@@ -60,6 +61,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         HeadsMismatchError,
         TreeError,
         LosslessError,
+        ReportError,
     )
 
 

@@ -10,6 +10,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prep": ("launch.commands.prep", "chat data -> tokenized, loss-masked Arrow shards + stats"),
     "train": ("launch.commands.train", "train Medusa / Hydra / Hydra++ heads on prepared data"),
     "eval": ("launch.commands.eval", "speculative vs plain decoding: tau, acceptance, speedup"),
+    "report": ("launch.commands.report", "acceptance-rate report (json, md, html, plots) of runs"),
+    "sweep": ("launch.commands.sweep", "train + eval every point of a grid, then one report"),
+    "export": ("launch.commands.export", "heads -> hf / hydra (zankner/Hydra) / medusa (vLLM)"),
+    "import": ("launch.commands.import_heads", "hf / hydra / medusa heads -> our heads dir"),
     "launch": ("launch.commands.launch", "a train config as a SLURM / torchrun / DeepSpeed job"),
     "plan": ("launch.commands.plan", "per-GPU memory of a train config: fits, or what would"),
 }

@@ -50,12 +50,29 @@ def print_summary(res: dict[str, Any], out: str) -> None:
 
 
 def run(cfg) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+    from rich.console import Console
+
     from evaluation.evaluate import EvalConfig, run_eval
     from launch.app import resolved_yaml, to_typed
+    from launch.wandb_runs import log_eval, train_run_of
+    from train.config import ConfigError
 
-    typed = to_typed(cfg, EvalConfig)
+    wandb = cfg.get("wandb", "auto")
+    if wandb not in ("auto", True, False):
+        raise ConfigError(f"wandb={wandb!r}: choose auto, true or false")
+    typed = to_typed(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "wandb"]), EvalConfig)
+    if wandb is True and train_run_of(typed.heads) is None:
+        raise ConfigError(
+            f"wandb=true but the training run of {typed.heads} did not log to wandb "
+            "(logger=wandb); use wandb=auto or false"
+        )
     res = run_eval(typed, resolved_yaml(cfg))
     print_summary(res, typed.out)
+    if wandb is not False:
+        where = log_eval(res)
+        if where:
+            Console().print(f"logged the eval figures to wandb run {where}")
     return res
 
 

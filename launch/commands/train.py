@@ -56,6 +56,20 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
+def _record_wandb_run(summary: dict, logger: Any, out: str) -> None:
+    """Remember the wandb run, so that eval and report log into it later."""
+    import json
+
+    from launch.wandb_runs import run_info
+
+    info = run_info(logger)
+    if info is None:
+        return
+    summary["wandb_run"] = info
+    path = Path(out).expanduser() / "train_summary.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+
+
 def run(cfg) -> dict:
     from hydra.utils import instantiate
 
@@ -71,6 +85,7 @@ def run(cfg) -> dict:
 
     summary = fit(typed, make_trainer, logger, resolved_yaml(cfg))
     if summary.get("global_rank", 0) == 0:  # one table, not one per process
+        _record_wandb_run(summary, logger, typed.out)
         print_summary(summary, typed.head.num_heads)
     return summary
 

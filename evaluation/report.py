@@ -1,0 +1,598 @@
+"""Acceptance-rate reports: train / eval run dirs -> report.json, report.md, report.html, plots."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import json
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PLOTS = {
+    "acceptance_by_depth": "Acceptance by depth (cumulative: share of steps that accept depth d)",
+    "tau_vs_tree_size": "τ vs tree size (lines: expected from calibration; dots: measured)",
+    "loss_curves": "Training loss",
+    "accepted_histogram": "Accepted draft tokens per step",
+}
+SORT_KEYS = ("tau", "speedup", "tau_est", "val_loss", "name")
+# Keys that differ between any two runs by construction: not worth a row in the config diff.
+DIFF_IGNORE = ("out", "heads", "eval.out")
+
+
+class ReportError(ValueError):
+    """The report's inputs are missing or unreadable; the message names the path and the fix."""
+
+
+@dataclass
+class ReportConfig:
+    """What `hydra-heads report` reads and writes (`conf/report.yaml`)."""
+
+    runs: list[str]
+    out: str
+    title: str = "hydra-heads acceptance report"
+    sort_by: str = "tau"
+    names: list[str] | None = None  # display names, one per run (default: from the dirs)
+    plots: bool = True
+
+    def __post_init__(self) -> None:
+        from train.config import fail
+
+        if isinstance(self.runs, str):
+            self.runs = [self.runs]
+        if not self.runs:
+            fail("runs", self.runs, "one or more train / eval / sweep dirs, e.g. runs=[DIR,DIR]")
+        if self.sort_by not in SORT_KEYS:
+            fail("sort_by", self.sort_by, f"one of {', '.join(SORT_KEYS)}")
+        if self.names is not None and len(self.names) != len(self.runs):
+            fail("names", self.names, f"one name per run ({len(self.runs)})")
+
+
+# -- reading runs -------------------------------------------------------------------------
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ReportError(f"cannot read {path} ({e}); re-run the step that writes it") from e
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, list) else v
+    return out
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    import yaml
+
+    if not path.is_file():
+        return {}
+    try:
+        return _flatten(yaml.safe_load(path.read_text()) or {})
+    except yaml.YAMLError as e:
+        raise ReportError(f"{path} is not valid YAML ({e})") from e
+
+
+def _read_curves(train_dir: Path) -> dict[str, list[list[float]]]:
+    """train/val loss per step from the CSV logger's metrics.csv files (resumed runs append a
+    version each; later versions win a step)."""
+    curves: dict[str, dict[int, float]] = {"train/loss": {}, "val/loss": {}, "val/tau_est": {}}
+    files = sorted(
+        (train_dir / "logs").glob("version_*/metrics.csv"),
+        key=lambda p: int(p.parent.name.split("_")[-1]) if p.parent.name[8:].isdigit() else 0,
+    )
+    for f in files:
+        with f.open(newline="") as fh:
+            for row in csv.DictReader(fh):
+                try:
+                    step = int(float(row.get("step") or "nan"))
+                except ValueError:
+                    continue
+                for key, series in curves.items():
+                    v = row.get(key)
+                    if v not in (None, ""):
+                        series[step] = float(v)
+    return {k: [[s, v] for s, v in sorted(d.items())] for k, d in curves.items() if d}
+
+
+def _per_head(val: dict, metric: str) -> list[float]:
+    out, k = [], 1
+    while f"val/{metric}_h{k}" in val:
+        out.append(float(val[f"val/{metric}_h{k}"]))
+        k += 1
+    return out
+
+
+def _locate(path: Path) -> tuple[Path | None, Path | None]:
+    """(train dir, eval dir) for a run dir given by the user."""
+    eval_dir = next((d for d in (path, path / "eval") if (d / "eval.json").is_file()), None)
+    train_dir = next(
+        (d for d in (path, path / "train") if (d / "train_summary.json").is_file()), None
+    )
+    if train_dir is None and eval_dir is not None:
+        heads = _read_json(eval_dir / "eval.json").get("heads")
+        if heads and (Path(heads).parent / "train_summary.json").is_file():
+            train_dir = Path(heads).parent
+    return train_dir, eval_dir
+
+
+def expand_runs(paths: list[str]) -> list[tuple[str, Path]]:
+    """(name, dir) per run; a sweep dir (with sweep.json) stands for its finished points."""
+    runs: list[tuple[str, Path]] = []
+    for p in map(lambda s: Path(s).expanduser(), paths):
+        if not p.exists():
+            raise ReportError(f"run dir {p} does not exist")
+        if (p / "sweep.json").is_file():
+            sweep = _read_json(p / "sweep.json")
+            done = [pt for pt in sweep.get("points", []) if pt.get("status") == "done"]
+            if not done:
+                raise ReportError(f"sweep {p} has no finished point yet; run or resume it first")
+            runs += [(pt["name"], p / pt["dir"]) for pt in done]
+        else:
+            runs.append((p.resolve().name, p))
+    return runs
+
+
+def load_run(name: str, path: Path) -> dict[str, Any]:
+    """Every figure of one run, from its train and/or eval outputs."""
+    train_dir, eval_dir = _locate(path)
+    if train_dir is None and eval_dir is None:
+        raise ReportError(
+            f"{path} holds neither eval.json nor train_summary.json (nor eval/ or train/ with "
+            "them): pass a `hydra-heads train` out dir, an eval out dir, or a sweep dir"
+        )
+    run: dict[str, Any] = {"name": name, "dir": str(path)}
+    config: dict[str, Any] = {}
+    if train_dir is not None:
+        summary = _read_json(train_dir / "train_summary.json")
+        val = summary.get("validation") or {}
+        heads_cfg = train_dir / "heads" / "heads_config.json"
+        meta = _read_json(heads_cfg) if heads_cfg.is_file() else {}
+        run["train"] = {
+            "dir": str(train_dir),
+            "steps": summary.get("steps"),
+            "fit_s": summary.get("fit_s"),
+            "trainable_params": summary.get("trainable_params"),
+            "world_size": summary.get("world_size", 1),
+            "strategy": summary.get("strategy"),
+            "val_loss": val.get("val/loss"),
+            "tau_est": val.get("val/tau_est"),
+            "top1": _per_head(val, "top1"),
+            "top5": _per_head(val, "top5"),
+            "top1_base": _per_head(val, "top1_base"),
+            "top5_base": _per_head(val, "top5_base"),
+            "curves": _read_curves(train_dir),
+            "wandb_run": summary.get("wandb_run"),
+        }
+        if meta:
+            run.update(
+                arch=meta.get("arch"),
+                num_heads=meta.get("num_heads"),
+                num_layers=meta.get("num_layers"),
+                draft_vocab_size=meta.get("draft_vocab_size"),
+                base=(meta.get("base") or {}).get("name"),
+            )
+        config.update(_read_config(train_dir / "config.yaml"))
+    if eval_dir is not None:
+        ev = _read_json(eval_dir / "eval.json")
+        tree = ev.get("tree") or {}
+        run.setdefault("arch", ev.get("arch"))
+        run.setdefault("num_heads", ev.get("num_heads"))
+        run.setdefault("base", (ev.get("base") or {}).get("name"))
+        run["eval"] = {
+            "dir": str(eval_dir),
+            "tau": ev.get("tau"),
+            "speedup": ev.get("speedup"),
+            "spec_tokens_per_s": ev.get("spec_tokens_per_s"),
+            "plain_tokens_per_s": ev.get("plain_tokens_per_s"),
+            "acceptance_cumulative": ev.get("acceptance_cumulative") or [],
+            "acceptance_conditional": ev.get("acceptance_conditional") or [],
+            "accepted_histogram": ev.get("accepted_histogram") or [],
+            "time_per_step_ms": ev.get("time_per_step_ms") or {},
+            "tree_kind": tree.get("kind"),
+            "tree_nodes": tree.get("num_nodes"),
+            "expected_tau": tree.get("expected_tau"),
+            "auto": tree.get("auto") or [],
+            "lossless": ev.get("lossless"),
+            "prompts": (ev.get("prompts") or {}).get("items"),
+            "new_tokens": ev.get("new_tokens"),
+            "sampling": ev.get("sampling") or {},
+            "hardware": ev.get("hardware") or {},
+            "setup_s": ev.get("setup_s"),
+            "spec_s": ev.get("spec_s"),
+            "plain_s": ev.get("plain_s"),
+        }
+        config.update({f"eval.{k}": v for k, v in _read_config(eval_dir / "config.yaml").items()})
+    tau = run.get("eval", {}).get("tau")
+    est = run.get("train", {}).get("tau_est")
+    run["tau"], run["tau_est"] = tau, est
+    run["speedup"] = run.get("eval", {}).get("speedup")
+    run["val_loss"] = run.get("train", {}).get("val_loss")
+    run["tau_gap"] = None if tau is None or est is None else tau - est
+    run["config"] = config
+    return run
+
+
+def config_diff(runs: list[dict]) -> dict[str, list[Any]]:
+    """Config keys whose values differ between runs: key -> one value per run."""
+    keys = sorted({k for r in runs for k in r["config"]})
+    diff = {}
+    for k in keys:
+        if k in DIFF_IGNORE or k.endswith((".out", ".dir")) or k.startswith("hydra."):
+            continue
+        vals = [r["config"].get(k) for r in runs]
+        if len({json.dumps(v, default=str) for v in vals}) > 1:
+            diff[k] = vals
+    return diff
+
+
+def _sort_key(sort_by: str):
+    def key(r: dict):
+        v = r.get(sort_by)
+        if sort_by == "name":
+            return (0, r["name"])
+        if v is None:
+            return (1, 0.0)
+        return (0, v if sort_by == "val_loss" else -v)  # lower loss is better
+
+    return key
+
+
+def leaderboard(runs: list[dict], sort_by: str) -> list[dict]:
+    rows = []
+    for rank, r in enumerate(sorted(runs, key=_sort_key(sort_by)), 1):
+        ev, tr = r.get("eval", {}), r.get("train", {})
+        rows.append(
+            {
+                "rank": rank,
+                "name": r["name"],
+                "arch": r.get("arch"),
+                "heads": r.get("num_heads"),
+                "tau": r.get("tau"),
+                "speedup": r.get("speedup"),
+                "tau_est": r.get("tau_est"),
+                "tau_gap": r.get("tau_gap"),
+                "tree_nodes": ev.get("tree_nodes"),
+                "top1_h1": (tr.get("top1") or [None])[0],
+                "val_loss": r.get("val_loss"),
+                "steps": tr.get("steps"),
+                "lossless": ev.get("lossless"),
+            }
+        )
+    return rows
+
+
+# -- plots ----------------------------------------------------------------------------------
+def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made: dict[str, str] = {}
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+        made[name] = f"{name}.png"
+
+    evals = [r for r in runs if r.get("eval", {}).get("acceptance_cumulative")]
+    if evals:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        for r in evals:
+            cum, cond = r["eval"]["acceptance_cumulative"], r["eval"]["acceptance_conditional"]
+            d = list(range(1, len(cum) + 1))
+            axes[0].plot(d, cum, marker="o", label=r["name"])
+            axes[1].plot(d, [math.nan if c is None else c for c in cond], marker="o")
+        axes[0].set(title="cumulative", xlabel="depth", ylabel="accepted share", ylim=(0, 1))
+        axes[1].set(title="conditional on the depth before", xlabel="depth", ylim=(0, 1))
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.xaxis.get_major_locator().set_params(integer=True)
+        axes[0].legend(fontsize=8)
+        save(fig, "acceptance_by_depth")
+    if any(r.get("tau") is not None for r in runs):
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        for r in runs:
+            ev = r.get("eval", {})
+            (line,) = ax.plot([], [])
+            pts = [(a["nodes"], a["expected_tau"]) for a in ev.get("auto") or []]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), color=line.get_color(), alpha=0.6, marker=".")
+            if ev.get("tau") is not None:
+                ax.scatter(
+                    [ev.get("tree_nodes") or 0], [ev["tau"]], color=line.get_color(), s=60,
+                    zorder=3, label=f"{r['name']} (τ {ev['tau']:.2f})",
+                )  # fmt: skip
+        ax.set(xlabel="tree nodes", ylabel="τ (tokens per base forward)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, "tau_vs_tree_size")
+    curved = [r for r in runs if (r.get("train", {}).get("curves") or {}).get("train/loss")]
+    if curved:
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        for r in curved:
+            c = r["train"]["curves"]
+            (line,) = ax.plot(*zip(*c["train/loss"], strict=True), label=f"{r['name']} train")
+            if c.get("val/loss"):
+                ax.plot(
+                    *zip(*c["val/loss"], strict=True), color=line.get_color(), ls="--",
+                    marker="o", label=f"{r['name']} val",
+                )  # fmt: skip
+        ax.set(xlabel="optimizer step", ylabel="loss (sum over heads)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, "loss_curves")
+    hists = [r for r in runs if r.get("eval", {}).get("accepted_histogram")]
+    if hists:
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        width = 0.8 / len(hists)
+        for i, r in enumerate(hists):
+            h = r["eval"]["accepted_histogram"]
+            total = sum(h) or 1
+            ax.bar(
+                [j + i * width for j in range(len(h))], [c / total for c in h], width,
+                label=r["name"],
+            )  # fmt: skip
+        ax.set(xlabel="draft tokens accepted in a step", ylabel="share of steps")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+        save(fig, "accepted_histogram")
+    return made
+
+
+# -- rendering --------------------------------------------------------------------------------
+def _fmt(v: Any, nd: int = 3) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of every table, shared by the markdown and the HTML."""
+    runs = report["runs"]
+    out = []
+    lb = report["leaderboard"]
+    out.append(
+        (
+            f"Leaderboard (sorted by {report['sort_by']})",
+            [
+                "#",
+                "run",
+                "arch",
+                "K",
+                "τ",
+                "speedup",
+                "τ est. (train)",
+                "gap",
+                "tree",
+                "top-1 h1",
+                "val loss",
+                "steps",
+                "lossless",
+            ],  # fmt: skip
+            [
+                [
+                    str(r["rank"]),
+                    r["name"],
+                    _fmt(r["arch"]),
+                    _fmt(r["heads"]),
+                    _fmt(r["tau"]),
+                    _fmt(r["speedup"], 2) + ("x" if r["speedup"] is not None else ""),
+                    _fmt(r["tau_est"]),
+                    _fmt(r["tau_gap"]),
+                    _fmt(r["tree_nodes"]),
+                    _fmt(r["top1_h1"]),
+                    _fmt(r["val_loss"], 2),
+                    _fmt(r["steps"]),
+                    _fmt(r["lossless"]),
+                ]  # fmt: skip
+                for r in lb
+            ],
+        )
+    )
+    depth = max((len(r.get("eval", {}).get("acceptance_cumulative", [])) for r in runs), default=0)
+    if depth:
+        rows = []
+        for r in runs:
+            ev = r.get("eval", {})
+            cum, cond = ev.get("acceptance_cumulative", []), ev.get("acceptance_conditional", [])
+            rows.append(
+                [r["name"]]
+                + [
+                    f"{_fmt(cum[d] if d < len(cum) else None)} / "
+                    f"{_fmt(cond[d] if d < len(cond) else None)}"
+                    for d in range(depth)
+                ]
+            )
+        out.append(
+            (
+                "Acceptance by depth (cumulative / conditional)",
+                ["run"] + [f"depth {d + 1}" for d in range(depth)],
+                rows,
+            )
+        )
+    K = max((len(r.get("train", {}).get("top1", [])) for r in runs), default=0)
+    if K:
+        rows = []
+        for r in runs:
+            tr = r.get("train", {})
+            t1, t5 = tr.get("top1", []), tr.get("top5", [])
+            b1 = tr.get("top1_base", [])
+            rows.append(
+                [r["name"]]
+                + [
+                    f"{_fmt(t1[k] if k < len(t1) else None)} / "
+                    f"{_fmt(t5[k] if k < len(t5) else None)} / "
+                    f"{_fmt(b1[k] if k < len(b1) else None)}"
+                    for k in range(K)
+                ]
+            )
+        out.append(
+            (
+                "Per-head validation accuracy (top-1 / top-5 vs data; top-1 vs base)",
+                ["run"] + [f"head {k + 1}" for k in range(K)],
+                rows,
+            )
+        )
+    rows = []
+    for r in runs:
+        ev = r.get("eval", {})
+        ms = ev.get("time_per_step_ms") or {}
+        hw = ev.get("hardware") or {}
+        rows.append(
+            [
+                r["name"],
+                _fmt(ev.get("spec_tokens_per_s"), 1),
+                _fmt(ev.get("plain_tokens_per_s"), 1),
+                " / ".join(_fmt(ms.get(k), 1) for k in ("propose", "verify", "bookkeeping")),
+                _fmt(r.get("train", {}).get("fit_s"), 0),
+                _fmt(r.get("train", {}).get("world_size")),
+                ", ".join(f"{k}={v}" for k, v in hw.items()) or "–",
+            ]
+        )
+    out.append(
+        (
+            "Hardware and timing",
+            [
+                "run",
+                "spec tok/s",
+                "plain tok/s",
+                "propose / verify / bookkeep ms",
+                "train s",
+                "train ranks",
+                "eval hardware",
+            ],  # fmt: skip
+            rows,
+        )
+    )
+    diff = report["config_diff"]
+    if diff and len(runs) > 1:
+        out.append(
+            (
+                "Config differences between runs",
+                ["key"] + [r["name"] for r in runs],
+                [[k] + [_fmt(v) for v in vals] for k, vals in diff.items()],
+            )
+        )
+    return out
+
+
+GAP_NOTE = (
+    "τ est. (train) is 1 + Σ_k Π_{j≤k} top-1(head j vs base) on validation data: a chain of "
+    "top-1 guesses with teacher-forced inputs. Measured τ comes from real tree decoding, where "
+    "a tree adds alternatives (τ above the estimate) and heads see their own accepted tokens."
+)
+
+
+def _markdown(report: dict) -> str:
+    lines = [f"# {report['title']}", "", f"{len(report['runs'])} run(s); {report['created']}.", ""]
+    for title, header, rows in _tables(report):
+        lines += [f"## {title}", "", "| " + " | ".join(header) + " |"]
+        lines.append("|" + "|".join("---" for _ in header) + "|")
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+        lines.append("")
+        if title.startswith("Leaderboard"):
+            lines += [GAP_NOTE, ""]
+    if report["plots"]:
+        lines += ["## Plots", ""]
+        for name, file in report["plots"].items():
+            lines += [f"### {PLOTS[name]}", "", f"![{name}]({file})", ""]
+    return "\n".join(lines)
+
+
+CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
+color:#222}table{border-collapse:collapse;margin:.5em 0 1.5em;font-variant-numeric:tabular-nums}
+th,td{border:1px solid #ccc;padding:.25em .6em;text-align:right}th{background:#f3f3f3}
+td:first-child,th:first-child{text-align:left}img.plot{max-width:100%;border:1px solid #eee}
+.note{color:#555;max-width:80ch}"""
+
+
+def _html(report: dict, out: Path) -> str:
+    e = html.escape
+    parts = [
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>{e(report['title'])}</title><style>{CSS}</style></head><body>",
+        f"<h1>{e(report['title'])}</h1><p>{len(report['runs'])} run(s); {e(report['created'])}.",
+        "</p>",
+    ]
+    for title, header, rows in _tables(report):
+        parts.append(f"<h2>{e(title)}</h2><table><tr>")
+        parts += [f"<th>{e(h)}</th>" for h in header]
+        parts.append("</tr>")
+        for row in rows:
+            parts.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
+        parts.append("</table>")
+        if title.startswith("Leaderboard"):
+            parts.append(f"<p class='note'>{e(GAP_NOTE)}</p>")
+    for name, file in report["plots"].items():
+        data = base64.b64encode((out / file).read_bytes()).decode()
+        parts.append(
+            f"<h2>{e(PLOTS[name])}</h2><img class='plot' alt='{e(name)}' "
+            f"src='data:image/png;base64,{data}'>"
+        )
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+@dataclass
+class Report:
+    """A written report: its figures and the files it produced."""
+
+    data: dict[str, Any]
+    files: list[Path] = field(default_factory=list)
+
+
+def build_report(cfg: ReportConfig) -> Report:
+    """Read every run, write report.{json,md,html} and the plots under cfg.out."""
+    found = expand_runs(cfg.runs)
+    if cfg.names is not None:
+        if len(found) != len(cfg.names):
+            raise ReportError(f"{len(cfg.names)} names for {len(found)} runs (sweeps expand)")
+        found = [(n, p) for n, (_, p) in zip(cfg.names, found, strict=True)]
+    seen: dict[str, int] = {}
+    runs = []
+    for name, path in found:
+        seen[name] = seen.get(name, 0) + 1
+        runs.append(load_run(name if seen[name] == 1 else f"{name}-{seen[name]}", path))
+    out = Path(cfg.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    plots = _plot_all(runs, out) if cfg.plots else {}
+    data = {
+        "title": cfg.title,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.node(),
+        "sort_by": cfg.sort_by,
+        "leaderboard": leaderboard(runs, cfg.sort_by),
+        "config_diff": config_diff(runs),
+        "runs": runs,
+        "plots": plots,
+    }
+    files = []
+    for name, text in (
+        ("report.json", json.dumps(data, indent=2, default=str) + "\n"),
+        ("report.md", _markdown(data) + "\n"),
+        ("report.html", _html(data, out) + "\n"),
+    ):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out / name)  # a killed report never leaves a half-written file
+        files.append(out / name)
+    files += [out / f for f in plots.values()]
+    return Report(data, files)

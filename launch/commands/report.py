@@ -1,0 +1,61 @@
+"""`hydra-heads report`: read train / eval / sweep dirs, write report.{json,md,html} + plots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+CONFIG_NAME = "report"
+
+
+def print_leaderboard(data: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from evaluation.report import _fmt
+
+    t = Table(title=f"{data['title']} (by {data['sort_by']})")
+    for col in ("#", "run", "arch", "tau", "speedup", "tau est.", "tree", "val loss"):
+        t.add_column(col, justify="left" if col in ("run", "arch") else "right")
+    for r in data["leaderboard"]:
+        t.add_row(
+            str(r["rank"]),
+            r["name"],
+            _fmt(r["arch"]),
+            _fmt(r["tau"]),
+            _fmt(r["speedup"], 2),
+            _fmt(r["tau_est"]),
+            _fmt(r["tree_nodes"]),
+            _fmt(r["val_loss"], 2),
+        )
+    Console().print(t)
+
+
+def run(cfg) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    from evaluation.report import ReportConfig, build_report
+    from launch.app import to_typed
+    from launch.wandb_runs import log_report
+
+    wandb = cfg.get("wandb", "auto")
+    if wandb not in ("auto", True, False):
+        from train.config import ConfigError
+
+        raise ConfigError(f"wandb={wandb!r}: choose auto, true or false")
+    typed = to_typed(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "wandb"]), ReportConfig)
+    rep = build_report(typed)
+    print_leaderboard(rep.data)
+    if wandb is not False:
+        logged = log_report(rep, required=wandb is True)
+        for name, where in logged.items():
+            print(f"logged to wandb run {where} ({name})")
+    print(f"wrote {', '.join(str(f) for f in rep.files)}")
+    return rep.data
+
+
+if __name__ == "__main__":
+    import sys
+
+    from launch.cli import main
+
+    main(["report", *sys.argv[1:]])

@@ -1,0 +1,39 @@
+"""`hydra-heads sweep`: train + eval every grid point (locally or as SLURM jobs), then report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+CONFIG_NAME = "sweep"
+
+
+def run(cfg) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.table import Table
+
+    from launch.app import to_typed
+    from launch.sweep import SweepConfig, run_sweep
+
+    typed = to_typed(cfg, SweepConfig)
+    state = run_sweep(typed)
+    if typed.dry_run or typed.launcher == "slurm":
+        return state
+    t = Table(title=f"sweep {typed.sweep.name}: {typed.out}")
+    for col in ("point", "status", "seconds", "note"):
+        t.add_column(col)
+    for p in state["points"]:
+        t.add_row(p["name"], p["status"], str(p.get("seconds", "")), p.get("error", ""))
+    Console().print(t)
+    failed = [p["name"] for p in state["points"] if p["status"] != "done"]
+    print(f"report: {typed.out}/report/report.md")
+    if failed:
+        raise SystemExit(f"error: {len(failed)} point(s) not done: {', '.join(failed)}")
+    return state
+
+
+if __name__ == "__main__":
+    import sys
+
+    from launch.cli import main
+
+    main(["sweep", *sys.argv[1:]])

@@ -1,0 +1,340 @@
+"""Sweeps: a grid of train x eval overrides, each point trained then evaluated, one report.
+
+Layout under `out`:
+
+    sweep.json                       the grid and every point's status (the resume state)
+    points/<train point>/train/      `hydra-heads train` output (heads, checkpoints, logs)
+    points/<train point>/eval/<eval point>/   `hydra-heads eval` output
+    report/                          `hydra-heads report` over every finished point
+    logs/<point>.log                 each step's console output
+
+Points run as subprocesses of the real CLI, one after another (`launcher=local`) or as one
+SLURM job per train point (`launcher=slurm`) whose job runs that point's evals and refreshes the
+report when its training ends. A killed sweep resumes: finished points are skipped, a point whose
+training was cut short continues from its last checkpoint (`resume=auto`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from train.config import ConfigError, fail
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepSpec:
+    """One sweep (`conf/sweep/*.yaml`): grids of overrides and the overrides every point shares."""
+
+    name: str
+    grid: dict[str, list[Any]] = field(default_factory=dict)  # train overrides, crossed
+    eval_grid: dict[str, list[Any]] = field(default_factory=dict)  # eval overrides, crossed
+    train: list[str] = field(default_factory=list)  # shared by every train point
+    eval: list[str] = field(default_factory=list)  # shared by every eval point
+    sort_by: str = "tau"
+
+    def __post_init__(self) -> None:
+        for key, grid in (("sweep.grid", self.grid), ("sweep.eval_grid", self.eval_grid)):
+            for k, vals in grid.items():
+                if not isinstance(vals, list) or not vals:
+                    fail(f"{key}.{k}", vals, "a non-empty list of values")
+        if not self.grid and not self.eval_grid:
+            fail("sweep.grid", self.grid, "at least one key with a list of values")
+        for o in [*self.train, *self.eval]:
+            if "=" not in o:
+                fail("sweep.train / sweep.eval", o, "overrides of the form key=value")
+        for o in self.train:
+            if o.split("=", 1)[0].lstrip("+~") in ("out", "resume"):
+                fail("sweep.train", o, "no out= or resume= (the sweep sets them per point)")
+
+
+@dataclass
+class SweepConfig:
+    """`hydra-heads sweep` (`conf/sweep.yaml`)."""
+
+    out: str
+    sweep: SweepSpec
+    # Appended to every point's train / eval command; not part of the sweep's identity, so a
+    # resumed sweep may point at data that moved (e.g. data.prepared=DIR).
+    train_args: list[str] = field(default_factory=list)
+    eval_args: list[str] = field(default_factory=list)
+    launcher: Literal["local", "slurm"] = "local"
+    only: str | None = None  # run this train point only (what a SLURM point job runs)
+    max_failures: int | None = None  # stop after this many failed points (default: never)
+    report: bool = True
+    dry_run: bool = False  # list the points and their commands, run nothing
+    slurm: dict[str, Any] = field(default_factory=dict)  # launch.launchers.SlurmLauncher keys
+
+    def __post_init__(self) -> None:
+        if self.max_failures is not None and self.max_failures < 1:
+            fail("max_failures", self.max_failures, "an integer >= 1, or null")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, list | dict):
+        return json.dumps(v, separators=(",", ":"))
+    if isinstance(v, bool):
+        return str(v).lower()
+    return str(v)
+
+
+def _slug(overrides: list[str]) -> str:
+    """A dir name for a point: `head=hydra,head.num_layers=2` -> `head-hydra_head.num_layers-2`."""
+    s = "_".join(o.replace("=", "-") for o in overrides) or "default"
+    return re.sub(r"[^A-Za-z0-9._-]+", "", s)[:120]
+
+
+def grid_points(grid: dict[str, list[Any]]) -> list[list[str]]:
+    keys = list(grid)
+    return [
+        [f"{k}={_fmt(v)}" for k, v in zip(keys, combo, strict=True)]
+        for combo in itertools.product(*(grid[k] for k in keys))
+    ]
+
+
+def plan_points(spec: SweepSpec) -> list[dict[str, Any]]:
+    """Every (train point, eval point) pair with its dirs; the order they run in."""
+    points = []
+    for tr in grid_points(spec.grid) or [[]]:
+        tname = _slug(tr)
+        for ev in grid_points(spec.eval_grid) or [[]]:
+            ename = _slug(ev)
+            name = tname if not ev else f"{tname}__{ename}"
+            points.append(
+                {
+                    "name": name,
+                    "train_point": tname,
+                    "train_overrides": tr,
+                    "eval_overrides": ev,
+                    "dir": f"points/{tname}/eval/{ename}",
+                    "status": "pending",
+                }
+            )
+    return points
+
+
+@contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path`.lock: SLURM point jobs update sweep.json concurrently."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def load_state(out: Path, spec: SweepSpec) -> dict[str, Any]:
+    """sweep.json, created on the first run; a resumed sweep must be the same grid."""
+    path = out / "sweep.json"
+    fresh = {"spec": asdict(spec), "points": plan_points(spec)}
+    if not path.is_file():
+        return fresh
+    state = json.loads(path.read_text())
+    if state.get("spec") != fresh["spec"]:
+        raise ConfigError(
+            f"{path} belongs to a different sweep (grid or shared overrides changed); resume it "
+            "with the same sweep settings, or choose another out"
+        )
+    return state
+
+
+def _update_point(out: Path, name: str, **changes: Any) -> None:
+    with _locked(out / "sweep.json"):
+        state = json.loads((out / "sweep.json").read_text())
+        for pt in state["points"]:
+            if pt["name"] == name:
+                pt.update(changes)
+        _write_json(out / "sweep.json", state)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "launch", *args]
+
+
+def train_command(cfg: SweepConfig, out: Path, tname: str, overrides: list[str]) -> list[str]:
+    train_out = out / "points" / tname / "train"
+    args = [*cfg.sweep.train, *overrides, *cfg.train_args]
+    return _cli("train", *args, f"out={train_out}", "resume=auto")
+
+
+def eval_command(cfg: SweepConfig, out: Path, point: dict) -> list[str]:
+    heads = out / "points" / point["train_point"] / "train" / "heads"
+    args = [*cfg.sweep.eval, *point["eval_overrides"], *cfg.eval_args]
+    return _cli("eval", *args, f"heads={heads}", f"out={out / point['dir']}")
+
+
+def _run_logged(cmd: list[str], logfile: Path) -> int:
+    """Run one CLI step, its output appended to `logfile`; the exit status."""
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    with logfile.open("a") as fh:
+        fh.write(f"\n$ {' '.join(cmd)}\n")
+        fh.flush()
+        return subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def _tail(logfile: Path, n: int = 5) -> str:
+    try:
+        lines = [ln for ln in logfile.read_text().splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    return errors[-1] if errors else " | ".join(lines[-n:])
+
+
+def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
+    """Run (or resume) every unfinished point; return the final sweep.json content."""
+    out = Path(cfg.out).expanduser().resolve()
+    spec = cfg.sweep
+    out.mkdir(parents=True, exist_ok=True)
+    with _locked(out / "sweep.json"):
+        state = load_state(out, spec)
+        _write_json(out / "sweep.json", state)
+    points = [p for p in state["points"] if cfg.only is None or p["train_point"] == cfg.only]
+    if cfg.only is not None and not points:
+        names = sorted({p["train_point"] for p in state["points"]})
+        raise ConfigError(f"only={cfg.only!r} is not a train point; choose one of {names}")
+    if cfg.dry_run:
+        for p in points:
+            print(f"# {p['name']} [{p['status']}]")
+            print(" ".join(train_command(cfg, out, p["train_point"], p["train_overrides"])))
+            print(" ".join(eval_command(cfg, out, p)))
+        return state
+    if cfg.launcher == "slurm":
+        return submit_points(cfg, out, state)
+    from rich.progress import Progress
+
+    failures = 0
+    todo = [p for p in points if p["status"] != "done"]
+    skipped = len(points) - len(todo)
+    with Progress(disable=not progress) as bar:
+        task = bar.add_task(f"sweep {spec.name} ({skipped} done before)", total=len(points))
+        bar.advance(task, skipped)
+        for p in todo:
+            log_file = out / "logs" / f"{p['name']}.log"
+            tdir = out / "points" / p["train_point"] / "train"
+            t0 = time.time()
+            if not (tdir / "train_summary.json").is_file():
+                bar.update(task, description=f"train {p['train_point']}")
+                _update_point(out, p["name"], status="training")
+                cmd = train_command(cfg, out, p["train_point"], p["train_overrides"])
+                if _run_logged(cmd, log_file) != 0:
+                    failures += 1
+                    msg = _tail(log_file)
+                    _update_point(out, p["name"], status="failed", stage="train", error=msg)
+                    bar.console.print(f"[red]{p['name']}: training failed[/red]: {msg}")
+                    if cfg.max_failures and failures >= cfg.max_failures:
+                        break
+                    bar.advance(task)
+                    continue
+            bar.update(task, description=f"eval {p['name']}")
+            _update_point(out, p["name"], status="evaluating")
+            if _run_logged(eval_command(cfg, out, p), log_file) != 0:
+                failures += 1
+                msg = _tail(log_file)
+                _update_point(out, p["name"], status="failed", stage="eval", error=msg)
+                bar.console.print(f"[red]{p['name']}: eval failed[/red]: {msg}")
+                if cfg.max_failures and failures >= cfg.max_failures:
+                    break
+            else:
+                _update_point(out, p["name"], status="done", seconds=round(time.time() - t0, 1))
+                if cfg.report:
+                    write_report(out, spec)
+            bar.advance(task)
+    state = json.loads((out / "sweep.json").read_text())
+    return state
+
+
+def write_report(out: Path, spec: SweepSpec) -> Path | None:
+    """The comparison report over every finished point (rewritten as points finish)."""
+    from evaluation.report import ReportConfig, build_report
+
+    state = json.loads((out / "sweep.json").read_text())
+    if not any(p["status"] == "done" for p in state["points"]):
+        return None
+    with _locked(out / "report.json"):  # out/report.lock
+        rep = build_report(
+            ReportConfig(
+                runs=[str(out)],
+                out=str(out / "report"),
+                title=f"sweep {spec.name}",
+                sort_by=spec.sort_by,
+            )
+        )
+    return rep.files[0]
+
+
+def _live_jobs(jobs: dict[str, str]) -> dict[str, str]:
+    """The submitted point jobs SLURM still knows as pending or running."""
+    if not jobs:
+        return {}
+    try:
+        r = subprocess.run(
+            ["squeue", "-h", "-o", "%i", "-j", ",".join(jobs.values())],
+            capture_output=True,
+            text=True,
+        )
+    except FileNotFoundError:
+        return {}
+    alive = set(r.stdout.split())
+    return {t: j for t, j in jobs.items() if j in alive}
+
+
+def submit_points(cfg: SweepConfig, out: Path, state: dict) -> dict[str, Any]:
+    """One sbatch job per unfinished train point: it trains (resumably, requeued on
+    pre-emption), then runs this sweep with only=<point> on its first node for the evals."""
+    from launch.launchers import SlurmLauncher, _q, sbatch_script
+    from train.config import from_mapping
+
+    sl = from_mapping(SlurmLauncher, {"name": "slurm", **cfg.slurm}, prefix="slurm")
+    spec = cfg.sweep
+    jobs = {}
+    live = _live_jobs(state.get("jobs", {}))
+    pending = sorted(
+        {p["train_point"] for p in state["points"] if p["status"] != "done"} - set(live)
+    )
+    for tname in sorted(live):
+        print(f"{tname}: job {live[tname]} is still queued or running; not submitted again")
+    argv = [a for a in sys.argv[1:] if not a.startswith(("launcher=", "only="))]
+    for tname in pending:
+        tr = next(p for p in state["points"] if p["train_point"] == tname)["train_overrides"]
+        tdir = out / "points" / tname / "train"
+        tdir.mkdir(parents=True, exist_ok=True)
+        args = [*spec.train, *tr, *cfg.train_args, f"out={tdir}"]
+        script = sbatch_script(sl, args, str(tdir), os.getcwd())
+        script += _q(_cli("sweep", *argv, "launcher=local", f"only={tname}")) + "\n"
+        path = tdir / "sweep_point.sbatch"
+        path.write_text(script)
+        try:
+            r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+        except FileNotFoundError:
+            raise ConfigError("sbatch not found: run on a SLURM login node") from None
+        if r.returncode != 0:
+            raise RuntimeError(f"sbatch failed for {tname}: {r.stderr.strip()}")
+        jobs[tname] = r.stdout.strip().split(";")[0]
+        print(f"submitted {tname}: job {jobs[tname]} ({path})")
+    with _locked(out / "sweep.json"):
+        st = json.loads((out / "sweep.json").read_text())
+        st.setdefault("jobs", {}).update(jobs)
+        _write_json(out / "sweep.json", st)
+    return st
