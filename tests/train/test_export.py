@@ -1,0 +1,406 @@
+"""Export / import of heads (hf, hydra, medusa): exact round trips, their layouts, refusals."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tests.launch.test_cli import run
+from train.base import BaseConfig, load_base
+from train.checkpoint import HeadsMismatchError, heads_meta, load_heads, save_heads
+from train.config import ConfigError
+from train.export import FormatError, export_heads, import_heads
+from train.heads import HeadConfig, base_shape, build_heads
+
+TINY = BaseConfig(name="tiny_random", source="tiny_random")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_base(TINY)
+
+
+def make(tmp: Path, tiny, arch: str, *, draft=None, layers=1, offset=0, tie=False, seed=0):
+    """Perturbed heads saved as `hydra-heads train` saves them: (heads, heads dir)."""
+    torch.manual_seed(seed)
+    ids = torch.randperm(tiny.vocab_size)[:draft].sort().values if draft else None
+    cfg = HeadConfig(
+        name=arch,
+        num_heads=3,
+        num_layers=layers,
+        draft_vocab_size=draft,
+        hidden_state_offset=offset,
+    )
+    heads = build_heads(cfg, base_shape(tiny.config), tiny.lm_head.weight, ids)
+    with torch.no_grad():  # fresh heads all echo the base; noise makes every head its own
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        if tie:  # what zankner/Hydra can hold: the blocks its HydraMLP shares are equal
+            first = 1 if arch == "hydra" else 0
+            for mlp in heads.mlps:
+                for block in list(mlp)[first + 1 :]:
+                    block.load_state_dict(mlp[first].state_dict())
+    meta = heads_meta(heads, tiny.fingerprint(), asdict(TINY))
+    meta["training"] = {"steps": 7, "prepared": "/data/p"}
+    return heads.eval(), save_heads(tmp / f"{arch}-{draft}-{layers}" / "heads", heads, meta)
+
+
+def assert_same_proposals(a, b, embed: nn.Module) -> None:
+    """Same states, logits and top-k candidates on random contexts and tree paths."""
+    g = torch.Generator().manual_seed(1)
+    h = a.hidden_size
+    hidden, emb = torch.randn(2, 7, h, generator=g), torch.randn(2, 7, h, generator=g)
+    for x, y in zip(a(hidden, emb), b(hidden, emb), strict=True):
+        assert torch.equal(x, y)
+    ctx = torch.randn(6, h, generator=g)
+    for k in range(a.num_heads):
+        path = torch.randint(0, a.vocab_size, (6, k + 1), generator=g)
+        assert torch.equal(a.step(k, ctx, path, embed), b.step(k, ctx, path, embed))
+        assert torch.equal(
+            a.candidates(k, ctx, path, embed, 5), b.candidates(k, ctx, path, embed, 5)
+        )
+
+
+# -- round trips ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("fmt", "arch", "draft", "layers", "tie"),
+    [
+        ("hf", "hydra_pp", 50, 2, False),
+        ("hf", "medusa", None, 1, False),
+        ("hydra", "hydra", None, 2, False),  # grounded, every block its own weights there
+        ("hydra", "hydra", None, 3, True),  # blocks 1..2 are one shared ResBlock there
+        ("hydra", "medusa", None, 1, False),  # ungrounded hydra_head_arch=mlp
+        ("medusa", "medusa", None, 2, False),
+        ("medusa", "medusa", 50, 1, False),  # vLLM truncated vocab + token_map
+    ],
+)
+def test_export_import_round_trip_keeps_proposals(tmp_path, tiny, fmt, arch, draft, layers, tie):
+    heads, hdir = make(tmp_path, tiny, arch, draft=draft, layers=layers, tie=tie)
+    export_heads(hdir, fmt, tmp_path / "x")
+    res = import_heads(tmp_path / "x", fmt, None if fmt == "hf" else TINY, tmp_path / "back")
+    assert (res["arch"], res["num_layers"], res["draft_vocab_size"]) == (arch, layers, draft)
+    back, meta = load_heads(tmp_path / "back", tiny.fingerprint())
+    assert meta["imported"]["format"] == fmt and meta["base"]["config"]["name"] == "tiny_random"
+    assert back.state_dict().keys() == heads.state_dict().keys()
+    assert_same_proposals(heads, back, tiny.embed_tokens)
+
+
+def test_hf_export_is_a_heads_checkpoint_with_a_model_card(tmp_path, tiny):
+    heads, hdir = make(tmp_path, tiny, "hydra_pp", draft=40)
+    ev = {
+        "heads": str(hdir),
+        "arch": "hydra_pp",
+        "num_heads": 3,
+        "tau": 2.4567,
+        "speedup": 1.8321,
+        "acceptance_cumulative": [0.8, 0.5, 0.25],
+        "acceptance_conditional": [0.8, 0.625, 0.5],
+        "tree": {"kind": "calibrated", "num_nodes": 12, "depth": 3},
+        "prompts": {"items": 8, "generations": 9},
+        "sampling": {"temperature": 0.0, "acceptance": "greedy"},
+        "lossless": True,
+    }
+    (hdir.parent / "eval").mkdir()
+    (hdir.parent / "eval" / "eval.json").write_text(json.dumps(ev))  # found beside the run
+    res = export_heads(hdir, "hf", tmp_path / "hf", base_model="HuggingFaceTB/SmolLM2-135M")
+    out = tmp_path / "hf"
+    assert res["files"] == [
+        "README.md",
+        "config.json",
+        "heads.safetensors",
+        "heads_config.json",
+        "model.safetensors",
+    ]
+    assert "(found)" in res["notes"][0]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["HydraPPHeads"] and cfg["format"] == "hydra-heads/1"
+    assert cfg["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M"
+    assert (out / "model.safetensors").read_bytes() == (hdir / "heads.safetensors").read_bytes()
+    assert (out / "heads.safetensors").read_bytes() == (hdir / "heads.safetensors").read_bytes()
+    card = (out / "README.md").read_text()
+    assert "base_model: HuggingFaceTB/SmolLM2-135M" in card
+    assert "| tau (tokens per base forward) | 2.457 |" in card and "1.832x" in card
+    assert "| 3 | 0.250 | 0.500 |" in card and "12 nodes, depth 3" in card
+    assert "40 most frequent" in card
+    # our own eval's loader reads the directory as it is
+    loaded, meta = load_heads(out, tiny.fingerprint())
+    assert meta["training"]["steps"] == 7
+    assert_same_proposals(heads, loaded, tiny.embed_tokens)
+    # and an import keeps what training recorded
+    import_heads(out, "hf", None, tmp_path / "back")
+    _, back_meta = load_heads(tmp_path / "back")
+    assert back_meta["training"] == meta["training"]
+    assert {k: v for k, v in back_meta.items() if k != "imported"} == meta
+
+
+def test_model_card_takes_only_an_eval_of_these_heads(tmp_path, tiny):
+    heads, hdir = make(tmp_path, tiny, "medusa")
+    other = {"heads": "/elsewhere/heads", "arch": "medusa", "num_heads": 3, "tau": 9.0}
+    (hdir.parent / "eval.json").write_text(json.dumps(other))
+    res = export_heads(hdir, "hf", tmp_path / "hf")
+    assert "no eval.json" in res["notes"][0]
+    assert "No evaluation figures" in (tmp_path / "hf" / "README.md").read_text()
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({**other, "arch": "hydra"}))
+    with pytest.raises(ConfigError, match="'eval'.*evaluates 3 hydra heads"):
+        export_heads(hdir, "hf", tmp_path / "hf2", eval_json=wrong)
+
+
+# -- their layouts, run by stand-ins written from their code's structure -------------------
+class ZanknerResBlock(nn.Module):
+    """zankner/Hydra's ResBlock: res_connection(x) + SiLU(linear(x)), both linears biased."""
+
+    def __init__(self, h: int, num_condition: int = 0):
+        super().__init__()
+        self.linear = nn.Linear(h * (num_condition + 1), h)
+        self.res_connection = (
+            nn.Linear(h * (num_condition + 1), h) if num_condition else nn.Identity()
+        )
+
+    def forward(self, x):
+        return self.res_connection(x) + nn.functional.silu(self.linear(x))
+
+
+class ZanknerHydraMLP(nn.Module):
+    """The module layout of zankner/Hydra's HydraMLP (hydra_head_arch=mlp)."""
+
+    def __init__(self, h: int, v: int, heads: int, layers: int, grounded: bool, embed):
+        super().__init__()
+        self.grounded = grounded
+        if grounded:  # list repetition: one ResBlock object repeated, as in their code
+            mlps = [
+                nn.Sequential(ZanknerResBlock(h, k + 1), *([ZanknerResBlock(h)] * (layers - 1)))
+                for k in range(heads)
+            ]
+        else:
+            mlps = [nn.Sequential(*([ZanknerResBlock(h)] * layers)) for _ in range(heads)]
+        self.hydra_mlp = nn.ModuleList(mlps)
+        self.hydra_lm_head = nn.ModuleList(nn.Linear(h, v) for _ in range(heads))
+        self.input_embed_fn = embed  # a submodule there too: its weight is in their state dict
+
+    def logits(self, k: int, ctx, path_tokens):
+        x = ctx
+        if self.grounded:
+            x = torch.cat([ctx, self.input_embed_fn(path_tokens).flatten(-2)], dim=-1)
+        return self.hydra_lm_head[k](self.hydra_mlp[k](x))
+
+
+@pytest.mark.parametrize(("arch", "layers"), [("hydra", 3), ("medusa", 2)])
+def test_hydra_export_loads_into_zankner_hydra_layout(tmp_path, tiny, arch, layers):
+    heads, hdir = make(tmp_path, tiny, arch, layers=layers, tie=True, offset=1)
+    export_heads(hdir, "hydra", tmp_path / "x", base_model="lmsys/vicuna-7b-v1.3")
+    cfg = json.loads((tmp_path / "x" / "config.json").read_text())
+    assert cfg == {
+        "hydra_num_heads": 3,
+        "hydra_num_layers": layers,
+        "hydra_head_arch": "mlp",
+        "grounded_heads": arch == "hydra",
+        "hidden_state_offset": 1,
+        "base_model_name_or_path": "lmsys/vicuna-7b-v1.3",
+    }
+    theirs = ZanknerHydraMLP(64, tiny.vocab_size, 3, layers, arch == "hydra", tiny.embed_tokens)
+    state = torch.load(tmp_path / "x" / "hydra_lm_head.pt", weights_only=True)
+    # their loader is non-strict; only the base embedding may be missing, nothing left over
+    missing, unexpected = theirs.load_state_dict(state, strict=False)
+    assert missing == ["input_embed_fn.weight"] and unexpected == []
+    ctx = torch.randn(5, 64)
+    for k in range(3):
+        path = torch.randint(0, tiny.vocab_size, (5, k + 1))
+        with torch.no_grad():
+            want = heads.step(k, ctx, path, tiny.embed_tokens)
+            got = theirs.logits(k, ctx, path)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.topk(5).indices, want.topk(5).indices)
+
+
+class VllmResidualBlock(nn.Module):
+    """vLLM's Medusa ResidualBlock: x = x + SiLU(layer(x)) per layer (medusa_fc_bias=true)."""
+
+    def __init__(self, h: int, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(h, h, bias=True) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + nn.functional.silu(layer(x))
+        return x
+
+
+class FasterDecodingResBlock(nn.Module):
+    """FasterDecoding/Medusa's ResBlock (TensorRT-LLM's MedusaLayer): x + SiLU(linear(x))."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.linear = nn.Linear(h, h)
+
+    def forward(self, x):
+        return x + nn.functional.silu(self.linear(x))
+
+
+@pytest.mark.parametrize("draft", [None, 50])
+def test_medusa_export_loads_into_vllm_and_tensorrt_llm_layouts(tmp_path, tiny, draft):
+    heads, hdir = make(tmp_path, tiny, "medusa", draft=draft, layers=2)
+    export_heads(hdir, "medusa", tmp_path / "x")
+    out = tmp_path / "x"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["MedusaModel"] and cfg["model_type"] == "medusa"
+    assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["hidden_size"]) == (3, 2, 64)
+    assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"]) == (3, 2)
+    assert cfg["vocab_size"] == tiny.vocab_size and cfg["medusa_fc_bias"] is True
+    assert cfg.get("truncated_vocab_size") == draft
+    rows = draft or tiny.vocab_size
+    vllm = nn.Module()
+    vllm.blocks = nn.ModuleList(VllmResidualBlock(64, 2) for _ in range(3))
+    vllm.lm_heads = nn.ModuleList(nn.Linear(64, rows, bias=False) for _ in range(3))
+    state = load_file(str(out / "model.safetensors"))
+    token_map = state.pop("token_map", None)
+    assert (token_map is not None) == (draft is not None)
+    vllm.load_state_dict(state, strict=True)
+    ctx = torch.randn(5, 64)
+    for k in range(3):
+        want = heads.step(k, ctx, torch.zeros(5, k + 1, dtype=torch.long), tiny.embed_tokens)
+        with torch.no_grad():
+            logits = vllm.lm_heads[k](vllm.blocks[k](ctx))
+        if token_map is not None:  # vLLM scatters draft logits into the full vocab like this
+            full = torch.full((5, tiny.vocab_size), float("-inf"))
+            full[:, token_map] = logits
+            logits = full
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(logits.argmax(-1), want.argmax(-1))
+    trt = out / "medusa_lm_head.safetensors"
+    assert trt.is_file() == (draft is None)  # TensorRT-LLM has no draft vocab
+    if draft is None:  # FasterDecoding/Medusa names, which TensorRT-LLM reads
+        fd = nn.ModuleList(
+            nn.Sequential(
+                FasterDecodingResBlock(64),
+                FasterDecodingResBlock(64),
+                nn.Linear(64, rows, bias=False),
+            )
+            for _ in range(3)
+        )
+        fd.load_state_dict(load_file(str(trt)), strict=True)
+        for k in range(3):
+            want = heads.step(k, ctx, torch.zeros(5, k + 1, dtype=torch.long), tiny.embed_tokens)
+            with torch.no_grad():
+                torch.testing.assert_close(fd[k](ctx), want, rtol=1e-5, atol=1e-5)
+
+
+def test_import_reads_fasterdecoding_medusa_pt(tmp_path, tiny):
+    heads, hdir = make(tmp_path, tiny, "medusa", layers=1)
+    export_heads(hdir, "medusa", tmp_path / "x")
+    src = tmp_path / "fd"
+    src.mkdir()
+    state = load_file(str(tmp_path / "x" / "medusa_lm_head.safetensors"))
+    torch.save(state, src / "medusa_lm_head.pt")
+    (src / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
+    import_heads(src, "medusa", TINY, tmp_path / "back")
+    back, _ = load_heads(tmp_path / "back", tiny.fingerprint())
+    assert_same_proposals(heads, back, tiny.embed_tokens)
+
+
+# -- refusals ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("arch", "kw", "fmt", "message"),
+    [
+        ("hydra", {}, "medusa", "no engine runs sequentially dependent heads"),
+        ("hydra_pp", {}, "medusa", "no engine runs sequentially dependent heads"),
+        ("hydra_pp", {}, "hydra", "final RMSNorm"),
+        ("hydra", {"draft": 40}, "hydra", "draft vocab (draft_vocab_size=40)"),
+        ("medusa", {"draft": 40}, "hydra", "score the full vocab"),
+        ("hydra", {"layers": 3}, "hydra", "block 2 of head 0 differs from block 1"),
+        ("medusa", {"layers": 2}, "hydra", "block 1 of head 0 differs from block 0"),
+        ("medusa", {"offset": 1}, "medusa", "last (post-norm) hidden state"),
+    ],
+)
+def test_unsupported_exports_are_refused_clearly(tmp_path, tiny, arch, kw, fmt, message):
+    _, hdir = make(tmp_path, tiny, arch, **kw)
+    with pytest.raises(FormatError, match=r"cannot be exported as format=" + fmt) as e:
+        export_heads(hdir, fmt, tmp_path / "x")
+    assert message in str(e.value) and "format=hf" in str(e.value)
+    assert not (tmp_path / "x").exists()
+
+
+def test_import_refuses_what_our_heads_cannot_hold(tmp_path, tiny):
+    _, hdir = make(tmp_path, tiny, "hydra", layers=1)
+    export_heads(hdir, "hydra", tmp_path / "x")
+    pt = tmp_path / "x" / "hydra_lm_head.pt"
+    state = torch.load(pt, weights_only=True)
+    # zankner/Hydra trains an lm_head bias that starts random; our heads have none
+    state["hydra_lm_head.1.bias"] = torch.full_like(state["hydra_lm_head.1.bias"], 0.5)
+    torch.save(state, pt)
+    with pytest.raises(FormatError, match=r"hydra_lm_head.1.bias is not zero \(max \|value\| 0.5"):
+        import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
+    state["hydra_lm_head.1.bias"].zero_()
+    state["hydra_mlp.0.7.linear.weight"] = torch.zeros(1)
+    torch.save(state, pt)
+    with pytest.raises(FormatError, match=r"no place for: hydra_mlp.0.7.linear.weight"):
+        import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
+    cfg = json.loads((tmp_path / "x" / "config.json").read_text())
+    (tmp_path / "x" / "config.json").write_text(
+        json.dumps({**cfg, "hydra_head_arch": "prefix-mlp"})
+    )
+    with pytest.raises(FormatError, match="'prefix-mlp' cannot be imported.*final RMSNorm"):
+        import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
+    with pytest.raises(FormatError, match="is not a hydra-heads hf export"):
+        import_heads(tmp_path / "x", "hf", TINY, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+
+def test_import_onto_another_base_names_both_shapes(tmp_path):
+    src = tmp_path / "vllm"
+    src.mkdir()
+    h, v = 32, 259
+    state = {"blocks.0.layers.0.weight": torch.zeros(h, h), "lm_heads.0.weight": torch.zeros(v, h)}
+    save_file(state, str(src / "model.safetensors"))
+    cfg = {"num_heads": 1, "num_hidden_layers": 1, "hidden_size": h, "vocab_size": v}
+    (src / "config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": "org/other"}))
+    with pytest.raises(HeadsMismatchError) as e:
+        import_heads(src, "medusa", TINY, tmp_path / "back")
+    msg = str(e.value)
+    assert "hidden_size=32, vocab_size=259 (org/other)" in msg
+    assert "hidden_size=64, vocab_size=259" in msg
+
+
+def test_out_is_never_an_input_or_silently_replaced(tmp_path, tiny):
+    _, hdir = make(tmp_path, tiny, "medusa")
+    with pytest.raises(ConfigError, match="'out'.*would replace the input"):
+        export_heads(hdir, "hf", hdir.parent, overwrite=True)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "keep").write_text("")
+    with pytest.raises(FileExistsError, match="overwrite=true"):
+        export_heads(hdir, "medusa", tmp_path / "x")
+    export_heads(hdir, "medusa", tmp_path / "x", overwrite=True)
+    assert not (tmp_path / "x" / "keep").exists()
+
+
+# -- the real commands ---------------------------------------------------------------------
+def test_cli_export_import_and_refusals(tmp_path, tiny):
+    heads, hdir = make(tmp_path, tiny, "medusa", draft=50)
+    r = run("export", f"heads={hdir}", "format=medusa", f"out={tmp_path / 'm'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "exported medusa heads as format=medusa" in r.stdout and "token_map" in r.stdout
+    r = run(
+        "import",
+        f"src={tmp_path / 'm'}",
+        "format=medusa",
+        "base=tiny_random",
+        f"out={tmp_path / 'i'}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "imported 3 x 1 medusa heads (draft vocab 50)" in r.stdout
+    back, _ = load_heads(tmp_path / "i", tiny.fingerprint())
+    assert_same_proposals(heads, back, tiny.embed_tokens)
+
+    _, hydra_dir = make(tmp_path, tiny, "hydra")
+    r = run("export", f"heads={hydra_dir}", "format=medusa", f"out={tmp_path / 'bad'}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "no engine runs sequentially dependent heads" in r.stderr
+    r = run("import", f"src={tmp_path / 'm'}", "format=medusa", f"out={tmp_path / 'i2'}")
+    assert r.returncode == 2 and "'base'" in r.stderr and "pass base=NAME" in r.stderr
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "i2").exists()
