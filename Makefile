@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 DEMO ?= runs/demo
 
-.PHONY: setup test test-fast demo lint format bench clean
+.PHONY: setup test test-fast demo sweep-demo lint format bench clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,14 @@ demo: setup
 	$(BIN)/hydra-heads train experiment=smollm2_cpu data.prepared=$(DEMO)/data out=$(DEMO)/train
 	@# tree=auto (the default): the tree with the best expected speedup on this machine
 	$(BIN)/hydra-heads eval heads=$(DEMO)/train/heads out=$(DEMO)/eval eval.num_prompts=6 eval.max_new_tokens=96
+	$(BIN)/hydra-heads report runs=[$(DEMO)] out=$(DEMO)/report
+
+# The paper's comparison (conf/sweep/architectures.yaml): Medusa vs Hydra vs Hydra++ at equal
+# budget on SmolLM2, ~30 min on 2 cores; re-running resumes. Reuses the demo's data if present.
+SWEEP ?= runs/sweep-demo
+sweep-demo: setup
+	test -f $(DEMO)/data/dataset_dict.json || $(BIN)/hydra-heads prep data.max_conversations=2000 out=$(DEMO)/data overwrite=true
+	$(BIN)/hydra-heads sweep sweep=architectures out=$(SWEEP) 'train_args=["data.prepared=$(DEMO)/data"]'
 
 lint: setup
 	$(BIN)/ruff check .

@@ -117,6 +117,8 @@ class EvalConfig:
     tree: TreeConfig = field(default_factory=TreeConfig)
     eval: EvalSettings = field(default_factory=EvalSettings)
     base: BaseConfig | None = None  # default: the base recorded in the heads' config
+    # auto: the CLI logs the figures into the wandb run that trained the heads, if there is one
+    wandb: bool | Literal["auto"] = "auto"
 
 
 # -- setup -----------------------------------------------------------------------------------

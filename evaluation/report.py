@@ -11,7 +11,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 PLOTS = {
     "acceptance_by_depth": "Acceptance by depth (cumulative: share of steps that accept depth d)",
@@ -21,7 +21,7 @@ PLOTS = {
 }
 SORT_KEYS = ("tau", "speedup", "tau_est", "val_loss", "name")
 # Keys that differ between any two runs by construction: not worth a row in the config diff.
-DIFF_IGNORE = ("out", "heads", "eval.out")
+DIFF_IGNORE = ("out", "heads", "eval.out", "eval.heads")
 
 
 class ReportError(ValueError):
@@ -38,6 +38,8 @@ class ReportConfig:
     sort_by: str = "tau"
     names: list[str] | None = None  # display names, one per run (default: from the dirs)
     plots: bool = True
+    # auto: the CLI logs tables and plots into each run's own wandb run, if it had one
+    wandb: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         from train.config import fail
@@ -346,6 +348,8 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
                 [j + i * width for j in range(len(h))], [c / total for c in h], width,
                 label=r["name"],
             )  # fmt: skip
+        n = max(len(r["eval"]["accepted_histogram"]) for r in hists)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(n)], [str(j) for j in range(n)])
         ax.set(xlabel="draft tokens accepted in a step", ylabel="share of steps")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)

@@ -12,6 +12,8 @@ log = logging.getLogger(__name__)
 
 def run_info(logger: Any) -> dict[str, str] | None:
     """What finds a Lightning WandbLogger's run again later: id, project and its save dir."""
+    if isinstance(logger, list | tuple):
+        return next((i for i in map(run_info, logger) if i is not None), None)
     if type(logger).__name__ != "WandbLogger":
         return None
     exp = logger.experiment

@@ -18,6 +18,10 @@ PRIMARY = {
     "eval": "launch.commands.eval",
     "launch": "launch.commands.launch",
     "plan": "launch.commands.plan",
+    "report": "launch.commands.report",
+    "sweep": "launch.commands.sweep",
+    "export": "launch.commands.export",
+    "import": "launch.commands.import_heads",
 }
 # Which subcommand composes each config group (the first one listed is used in the test).
 USERS = {
@@ -29,6 +33,7 @@ USERS = {
     "experiment": ["train"],
     "tree": ["eval"],
     "launcher": ["launch"],
+    "sweep": ["sweep"],
 }
 # conf/deepspeed/ holds DeepSpeed's own JSON configs (referenced by the trainer configs), not
 # a config group.
@@ -75,6 +80,16 @@ def test_every_group_option_composes_and_validates(group):
                 continue
             elif primary == "eval":
                 cfg = to_typed(compose("eval", [*overrides, "heads=/tmp/h"]), EvalConfig)
+            elif primary == "sweep":
+                from launch.sweep import SweepConfig, plan_points
+
+                cfg = to_typed(compose("sweep", overrides), SweepConfig)
+                assert cfg.sweep.name == option and plan_points(cfg.sweep)
+                # every point's train overrides compose into a valid train config
+                for pt in plan_points(cfg.sweep):
+                    train = [*cfg.sweep.train, *pt["train_overrides"], "out=/tmp/x"]
+                    to_typed(compose("train", [*train, "data.prepared=/tmp/p"]), TrainConfig)
+                continue
             else:
                 cfg = prep_config(overrides)
             if group == "experiment":

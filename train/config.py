@@ -85,6 +85,13 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
 
 
 def _name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_name(a) for a in typing.get_args(tp))
+    if origin is Literal:
+        return " or ".join(repr(c) for c in typing.get_args(tp))
+    if tp is bool:
+        return "true/false"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

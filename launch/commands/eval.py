@@ -50,7 +50,6 @@ def print_summary(res: dict[str, Any], out: str) -> None:
 
 
 def run(cfg) -> dict[str, Any]:
-    from omegaconf import OmegaConf
     from rich.console import Console
 
     from evaluation.evaluate import EvalConfig, run_eval
@@ -58,10 +57,8 @@ def run(cfg) -> dict[str, Any]:
     from launch.wandb_runs import log_eval, train_run_of
     from train.config import ConfigError
 
-    wandb = cfg.get("wandb", "auto")
-    if wandb not in ("auto", True, False):
-        raise ConfigError(f"wandb={wandb!r}: choose auto, true or false")
-    typed = to_typed(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "wandb"]), EvalConfig)
+    typed = to_typed(cfg, EvalConfig)
+    wandb = typed.wandb
     if wandb is True and train_run_of(typed.heads) is None:
         raise ConfigError(
             f"wandb=true but the training run of {typed.heads} did not log to wandb "

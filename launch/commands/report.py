@@ -31,18 +31,12 @@ def print_leaderboard(data: dict[str, Any]) -> None:
 
 
 def run(cfg) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
     from evaluation.report import ReportConfig, build_report
     from launch.app import to_typed
     from launch.wandb_runs import log_report
 
-    wandb = cfg.get("wandb", "auto")
-    if wandb not in ("auto", True, False):
-        from train.config import ConfigError
-
-        raise ConfigError(f"wandb={wandb!r}: choose auto, true or false")
-    typed = to_typed(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "wandb"]), ReportConfig)
+    typed = to_typed(cfg, ReportConfig)
+    wandb = typed.wandb
     rep = build_report(typed)
     print_leaderboard(rep.data)
     if wandb is not False:

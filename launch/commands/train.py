@@ -22,7 +22,13 @@ def make_logger(cfg, out: str) -> Any:
         if not os.environ.get("WANDB_API_KEY"):
             os.environ.setdefault("WANDB_MODE", "offline")  # never block on the network
     Path(out).mkdir(parents=True, exist_ok=True)
-    return instantiate(cfg.logger)
+    logger = instantiate(cfg.logger)
+    if target.endswith("WandbLogger"):
+        # metrics.csv too: reports read loss curves from disk, with or without a network
+        from lightning.pytorch.loggers import CSVLogger
+
+        return [logger, CSVLogger(save_dir=out, name="logs")]
+    return logger
 
 
 def print_summary(summary: dict, num_heads: int) -> None:

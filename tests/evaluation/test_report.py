@@ -1,0 +1,139 @@
+"""`hydra-heads report` on fixture runs: figures, ordering, config diff, files, errors, and the
+HTML page checked in a real headless browser."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from evaluation.report import ReportConfig, ReportError, build_report
+from tests.browser import check_page, chromium_path
+from tests.launch.test_cli import run
+
+
+def make_run(
+    root: Path, name: str, *, tau: float, speedup: float, top1: list[float], lr: float,
+    arch: str = "hydra", with_train: bool = True,
+) -> Path:  # fmt: skip
+    """A run dir shaped like `make demo`'s: <name>/train and <name>/eval."""
+    d = root / name
+    K = len(top1)
+    if with_train:
+        tr = d / "train"
+        (tr / "heads").mkdir(parents=True)
+        val = {"val/loss": 10.0 - tau, "val/tau_est": 1 + top1[0]}
+        for k, a in enumerate(top1, 1):
+            val |= {f"val/top1_h{k}": a, f"val/top5_h{k}": a + 0.2, f"val/top1_base_h{k}": a + 0.05}
+        summary = {"steps": 6, "fit_s": 12.5, "world_size": 1, "validation": val}
+        (tr / "train_summary.json").write_text(json.dumps(summary))
+        meta = {"arch": arch, "num_heads": K, "num_layers": 1, "draft_vocab_size": None,
+                "base": {"name": "tiny_random"}}  # fmt: skip
+        (tr / "heads" / "heads_config.json").write_text(json.dumps(meta))
+        (tr / "config.yaml").write_text(
+            f"out: {tr}\nhead:\n  name: {arch}\n  num_heads: {K}\noptim:\n  lr: {lr}\nseed: 0\n"
+        )
+        logs = tr / "logs" / "version_0"
+        logs.mkdir(parents=True)
+        rows = ["epoch,step,train/loss,val/loss"]
+        rows += [f"0,{s},{20 - s},{'' if s % 3 else 15 - s}" for s in range(6)]
+        (logs / "metrics.csv").write_text("\n".join(rows) + "\n")
+    ev = d / "eval"
+    ev.mkdir(parents=True)
+    cum = [top1[0] * 0.9, top1[0] * top1[1] * 0.8]
+    res = {
+        "tau": tau, "speedup": speedup, "spec_tokens_per_s": 20 * speedup,
+        "plain_tokens_per_s": 20.0, "acceptance_cumulative": cum,
+        "acceptance_conditional": [cum[0], cum[1] / cum[0]], "accepted_histogram": [5, 3, 2],
+        "time_per_step_ms": {"propose": 1.0, "verify": 9.0, "bookkeeping": 0.5},
+        "heads": str(d / "train" / "heads"), "arch": arch, "num_heads": K,
+        "base": {"name": "tiny_random"}, "lossless": True, "prompts": {"items": 2},
+        "tree": {"kind": "calibrated", "num_nodes": 8, "expected_tau": tau + 0.1,
+                 "auto": [{"nodes": n, "expected_tau": 1 + n * 0.1} for n in (0, 4, 8)]},
+        "hardware": {"device": "cpu", "threads": 2},
+    }  # fmt: skip
+    (ev / "eval.json").write_text(json.dumps(res))
+    (ev / "config.yaml").write_text(f"heads: {res['heads']}\ntree:\n  kind: calibrated\n")
+    return d
+
+
+@pytest.fixture
+def two_runs(tmp_path) -> list[Path]:
+    return [
+        make_run(tmp_path, "slow", tau=1.4, speedup=1.3, top1=[0.3, 0.2], lr=1e-3),
+        make_run(tmp_path, "fast", tau=1.9, speedup=1.1, top1=[0.5, 0.4], lr=3e-3, arch="hydra_pp"),
+    ]
+
+
+def test_report_figures_order_and_diff(two_runs, tmp_path):
+    rep = build_report(ReportConfig(runs=[str(p) for p in two_runs], out=str(tmp_path / "r")))
+    lb = rep.data["leaderboard"]
+    assert [r["name"] for r in lb] == ["fast", "slow"]  # by tau
+    fast = next(r for r in rep.data["runs"] if r["name"] == "fast")
+    assert fast["tau_est"] == pytest.approx(1.5) and fast["tau_gap"] == pytest.approx(0.4)
+    assert fast["train"]["top1"] == [0.5, 0.4] and fast["train"]["top5"] == pytest.approx(
+        [0.7, 0.6]
+    )
+    assert fast["train"]["curves"]["val/loss"] == [[0, 15.0], [3, 12.0]]
+    # only what differs: the head and the lr (out dirs are ignored)
+    assert set(rep.data["config_diff"]) == {"head.name", "optim.lr"}
+    by_speed = build_report(
+        ReportConfig(runs=[str(p) for p in two_runs], out=str(tmp_path / "s"), sort_by="speedup")
+    )
+    assert [r["name"] for r in by_speed.data["leaderboard"]] == ["slow", "fast"]
+    names = {f.name for f in rep.files}
+    assert {"report.json", "report.md", "report.html", "acceptance_by_depth.png"} <= names
+    assert {"tau_vs_tree_size.png", "loss_curves.png", "accepted_histogram.png"} <= names
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "| 1 | fast | hydra_pp | 2 | 1.900 | 1.10x | 1.500 | 0.400 |" in md
+    assert "![loss_curves](loss_curves.png)" in md and "| optim.lr |" in md
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["leaderboard"] == lb
+
+
+def test_eval_only_run_and_clear_errors(tmp_path):
+    only_eval = make_run(tmp_path, "e", tau=1.2, speedup=0.9, top1=[0.2, 0.1], lr=1e-3,
+                         with_train=False)  # fmt: skip
+    rep = build_report(ReportConfig(runs=[str(only_eval / "eval")], out=str(tmp_path / "r")))
+    assert rep.data["runs"][0]["tau"] == 1.2 and rep.data["runs"][0]["tau_est"] is None
+    assert "loss_curves" not in rep.data["plots"]
+    with pytest.raises(ReportError, match="does not exist"):
+        build_report(ReportConfig(runs=[str(tmp_path / "nope")], out=str(tmp_path / "x")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportError, match="neither eval.json nor train_summary.json"):
+        build_report(ReportConfig(runs=[str(tmp_path / "empty")], out=str(tmp_path / "x")))
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text(json.dumps({"points": [{"name": "a", "status": "failed"}]}))
+    with pytest.raises(ReportError, match="no finished point"):
+        build_report(ReportConfig(runs=[str(sweep)], out=str(tmp_path / "x")))
+    bad = make_run(tmp_path, "bad", tau=1.2, speedup=0.9, top1=[0.2, 0.1], lr=1e-3)
+    (bad / "eval" / "eval.json").write_text("{not json")
+    with pytest.raises(ReportError, match="cannot read .*eval.json"):
+        build_report(ReportConfig(runs=[str(bad)], out=str(tmp_path / "x")))
+
+
+def test_report_cli(two_runs, tmp_path):
+    out = tmp_path / "cli"
+    r = run("report", f"runs=[{two_runs[0]},{two_runs[1]}]", f"out={out}", "sort_by=speedup")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "slow" in r.stdout and (out / "report.html").is_file()
+    r = run("report", f"runs=[{two_runs[0]}]", f"out={out}", "sort_by=vibes")
+    assert r.returncode == 2 and "sort_by" in r.stderr and "speedup" in r.stderr
+    r = run("report", f"runs=[{two_runs[0]}]", f"out={out}", "wandb=true")
+    assert r.returncode == 2 and "logger=wandb" in r.stderr
+
+
+@pytest.mark.skipif(
+    chromium_path() is None, reason="chromium not installed (apt-get install chromium)"
+)
+def test_report_html_renders_in_a_browser(two_runs, tmp_path):
+    rep = build_report(ReportConfig(runs=[str(p) for p in two_runs], out=str(tmp_path / "r")))
+    shot = tmp_path / "r" / "screenshot.png"
+    page = check_page(tmp_path / "r" / "report.html", screenshot=shot)
+    assert page.errors == []
+    assert page.external_requests == []  # self-contained: opens offline
+    assert page.images_total == len(rep.data["plots"]) == 4
+    assert page.images_rendered == 4, page.broken_images
+    assert page.title == "hydra-heads acceptance report"
+    assert shot.stat().st_size > 20_000
