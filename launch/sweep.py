@@ -71,6 +71,10 @@ class SweepConfig:
     # resumed sweep may point at data that moved (e.g. data.prepared=DIR).
     train_args: list[str] = field(default_factory=list)
     eval_args: list[str] = field(default_factory=list)
+    # Command-line grids in hydra's multirun style, replacing the sweep file's grids:
+    #   'grid=["head=medusa,hydra","head.num_layers=1,2"]' 'eval_grid=["tree=chain,sparse_15"]'
+    grid: list[str] | None = None
+    eval_grid: list[str] | None = None
     launcher: Literal["local", "slurm"] = "local"
     only: str | None = None  # run this train point only (what a SLURM point job runs)
     max_failures: int | None = None  # stop after this many failed points (default: never)
@@ -81,6 +85,44 @@ class SweepConfig:
     def __post_init__(self) -> None:
         if self.max_failures is not None and self.max_failures < 1:
             fail("max_failures", self.max_failures, "an integer >= 1, or null")
+        if self.grid is not None:
+            self.sweep.grid = parse_grid("grid", self.grid)
+        if self.eval_grid is not None:
+            self.sweep.eval_grid = parse_grid("eval_grid", self.eval_grid)
+        if self.grid is not None or self.eval_grid is not None:
+            self.sweep.__post_init__()
+
+
+def _split_values(text: str) -> list[str]:
+    """`a,[1,2],b` -> ['a', '[1,2]', 'b']: commas inside brackets or quotes do not split."""
+    out, depth, quote, cur = [], 0, "", ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+            continue
+        cur += ch
+    return [*out, cur]
+
+
+def parse_grid(key: str, items: list[str]) -> dict[str, list[str]]:
+    """['head=medusa,hydra', 'optim.lr=1e-3,3e-3'] -> {'head': [...], 'optim.lr': [...]}."""
+    grid: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, values = str(item).partition("=")
+        vals = [v.strip() for v in _split_values(values)]
+        if not sep or not name.strip() or not all(vals):
+            fail(key, item, "entries like 'head=medusa,hydra' (a key, '=', comma-separated values)")
+        grid[name.strip()] = vals
+    return grid
 
 
 def _fmt(v: Any) -> str:
@@ -93,7 +135,7 @@ def _fmt(v: Any) -> str:
 
 def _slug(overrides: list[str]) -> str:
     """A dir name for a point: `head=hydra,head.num_layers=2` -> `head-hydra_head.num_layers-2`."""
-    s = "_".join(o.replace("=", "-") for o in overrides) or "default"
+    s = "_".join(o.replace("=", "-").replace(",", "-") for o in overrides) or "default"
     return re.sub(r"[^A-Za-z0-9._-]+", "", s)[:120]
 
 
@@ -113,6 +155,8 @@ def plan_points(spec: SweepSpec) -> list[dict[str, Any]]:
         for ev in grid_points(spec.eval_grid) or [[]]:
             ename = _slug(ev)
             name = tname if not ev else f"{tname}__{ename}"
+            if any(p["name"] == name for p in points):  # values that slug alike
+                name = f"{name}-{len(points)}"
             points.append(
                 {
                     "name": name,

@@ -93,6 +93,14 @@ def test_sweep_refuses_a_changed_grid_and_bad_keys(tiny_prepared, tmp_path):
     assert r.returncode == 2 and "belongs to a different sweep" in r.stderr
     r = run("sweep", f"out={tmp_path / 'x'}", "sweep.grid={head:[]}")
     assert r.returncode == 2 and "sweep.grid.head" in r.stderr
+    # the command-line grid (hydra multirun style) replaces the file's; values keep brackets
+    r = run("sweep", f"out={tmp_path / 'z'}", "dry_run=true",
+            'grid=["head.num_layers=1,2","optim.betas=[0.9,0.99],[0.8,0.9]"]')  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("[pending]") == 4
+    assert "head.num_layers=2 optim.betas=[0.8,0.9]" in r.stdout
+    r = run("sweep", f"out={tmp_path / 'w'}", "dry_run=true", 'grid=["head"]')
+    assert r.returncode == 2 and "a key, '=', comma-separated values" in r.stderr
     r = run(
         "sweep",
         f"out={tmp_path / 'y'}",
