@@ -24,9 +24,9 @@ block j (0-based), L = num_layers, K = num_heads, H = hidden size, V = vocab:
 |-----------------------------------------------|-----------------------------------------|
 | `hydra_mlp.{k}.{j}.linear.weight` / `.bias`   | `mlps.{k}.{j}.linear.weight` / `.bias`  |
 | `hydra_mlp.{k}.0.res_connection.weight`       | `mlps.{k}.0.proj.weight` (grounded)     |
-| `hydra_mlp.{k}.0.res_connection.bias`         | none: must be 0 (written as 0)          |
+| `hydra_mlp.{k}.0.res_connection.bias`         | `mlps.{k}.0.proj.bias` (head.bias=true) |
 | `hydra_lm_head.{k}.weight`                    | `lm_heads.{k}.weight`                   |
-| `hydra_lm_head.{k}.bias`                      | none: must be 0 (written as 0)          |
+| `hydra_lm_head.{k}.bias`                      | `lm_heads.{k}.bias` (head.bias=true)    |
 | `input_embed_fn.weight` (the base embedding)  | not written; their loader is non-strict |
 
 | `config.json` key          | value                                                   |
@@ -43,7 +43,8 @@ whose final RMSNorm our extra layer does not have); a draft vocab (their lm head
 tokens, with no token map); blocks their code ties together: `HydraMLP` repeats one `ResBlock`
 object (`[ResBlock(H)] * n`), so blocks 1..L-1 of a grounded head, and all L blocks of an
 ungrounded head, share weights there; ours are exported only if they are equal. On import, a
-non-zero `res_connection` or `hydra_lm_head` bias is refused (our heads have neither bias).
+non-zero `res_connection` or `hydra_lm_head` bias (their nn.Linear default, trained) makes the
+imported heads `head.bias=true`; heads without biases are exported with zero biases.
 
 ## format=medusa: the layout vLLM and TensorRT-LLM load
 
@@ -289,12 +290,14 @@ def _hydra_files(heads: HeadSet, base_id: str) -> dict[str, Any]:
             state[f"hydra_mlp.{k}.{j}.linear.bias"] = b
         if grounded:
             state[f"hydra_mlp.{k}.0.res_connection.weight"] = sd[f"mlps.{k}.0.proj.weight"]
-            state[f"hydra_mlp.{k}.0.res_connection.bias"] = torch.zeros(
-                heads.hidden_size, dtype=b.dtype
+            state[f"hydra_mlp.{k}.0.res_connection.bias"] = sd.get(
+                f"mlps.{k}.0.proj.bias", torch.zeros(heads.hidden_size, dtype=b.dtype)
             )
         lm = sd[f"lm_heads.{k}.weight"]
         state[f"hydra_lm_head.{k}.weight"] = lm
-        state[f"hydra_lm_head.{k}.bias"] = torch.zeros(heads.vocab_size, dtype=lm.dtype)
+        state[f"hydra_lm_head.{k}.bias"] = sd.get(
+            f"lm_heads.{k}.bias", torch.zeros(heads.vocab_size, dtype=lm.dtype)
+        )
     config = {
         "hydra_num_heads": k_heads,
         "hydra_num_layers": n_layers,
@@ -314,6 +317,11 @@ def _medusa_files(heads: HeadSet, base_id: str, notes: list[str]) -> dict[str, A
             "and no engine runs sequentially dependent heads (each Hydra head reads the "
             "embeddings of the tokens proposed before it). Export format=hydra (zankner/Hydra) "
             "or format=hf"
+        )
+    if heads.cfg.bias:
+        raise FormatError(
+            "medusa heads with head.bias=true cannot be exported as format=medusa: the lm heads "
+            "of vLLM's and TensorRT-LLM's Medusa have no bias. Export format=hydra or format=hf"
         )
     if heads.cfg.hidden_state_offset:
         raise FormatError(
@@ -615,16 +623,6 @@ class _Take:
             return None
         raise FormatError(f"{self.where} has no tensor {key!r}; is this the right format=?")
 
-    def zero_bias(self, key: str, why: str) -> None:
-        t = self(key, optional=True)
-        if t is not None and torch.count_nonzero(t):
-            raise FormatError(
-                f"{self.where}: {key} is not zero (max |value| {t.abs().max().item():.3g}), but "
-                f"{why}, so importing it would change the heads' proposals. Heads trained by "
-                "zankner/Hydra keep the random initial bias nn.Linear gives them; they need a "
-                "bias in our head architecture (train/heads/) to be imported exactly"
-            )
-
     def done(self, ignore: tuple[str, ...] = ()) -> None:
         left = sorted(k for k in self.state if k not in ignore)
         if left:
@@ -672,25 +670,33 @@ def _read_hydra(src: Path) -> _Parsed:
     grounded = bool(cfg.get("grounded_heads", False))
     take = _Take(_load_torch(src / HYDRA_WEIGHTS), src / HYDRA_WEIGHTS)
     ours: dict[str, torch.Tensor] = {}
+    biases: dict[str, torch.Tensor | None] = {}
     for k in range(k_heads):
         for j in range(n_layers):
             for p in ("weight", "bias"):
                 ours[f"mlps.{k}.{j}.linear.{p}"] = take(f"hydra_mlp.{k}.{j}.linear.{p}")
         if grounded:
             ours[f"mlps.{k}.0.proj.weight"] = take(f"hydra_mlp.{k}.0.res_connection.weight")
-            take.zero_bias(
-                f"hydra_mlp.{k}.0.res_connection.bias",
-                "the residual projection of our heads' first block has no bias",
+            biases[f"mlps.{k}.0.proj.bias"] = take(
+                f"hydra_mlp.{k}.0.res_connection.bias", optional=True
             )
         ours[f"lm_heads.{k}.weight"] = take(f"hydra_lm_head.{k}.weight")
-        take.zero_bias(f"hydra_lm_head.{k}.bias", "our heads' output projection has no bias")
+        biases[f"lm_heads.{k}.bias"] = take(f"hydra_lm_head.{k}.bias", optional=True)
     take.done(ignore=("input_embed_fn.weight",))  # the base's own embedding table
+    # Their nn.Linear layers keep (and train) a bias: heads with any non-zero one are imported
+    # with head.bias=true, all others as our plain heads.
+    has_bias = any(b is not None and torch.count_nonzero(b) for b in biases.values())
+    if has_bias:
+        for key, b in biases.items():
+            ref = ours[key.replace(".bias", ".weight")]
+            ours[key] = b if b is not None else ref.new_zeros(ref.shape[0])
     vocab, hidden = ours["lm_heads.0.weight"].shape
     head = HeadConfig(
         name="hydra" if grounded else "medusa",
         num_heads=k_heads,
         num_layers=n_layers,
         hidden_state_offset=offset,
+        bias=bool(has_bias),
     )
     return _Parsed(head, hidden, vocab, ours, str(cfg.get("base_model_name_or_path", "?")))
 

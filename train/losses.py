@@ -36,6 +36,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         ctx,
         state,
         weight,
+        bias,
         teacher_state,
         teacher_weight,
         target,
@@ -48,10 +49,13 @@ class _FusedHeadLoss(torch.autograd.Function):
         n_kl,
     ):
         N = state.shape[0]
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        need_grad = any(ctx.needs_input_grad[:3])
         grad_state = torch.zeros_like(state, dtype=torch.float32) if need_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
+        has_bias = bias is not None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_grad and has_bias else None
         w32 = weight.float()
+        b32 = bias.float() if has_bias else None
         tw32 = teacher_weight.float() if teacher_weight is not None else None
         ce_sum = state.new_zeros((), dtype=torch.float32)
         kl_sum = state.new_zeros((), dtype=torch.float32)
@@ -60,6 +64,8 @@ class _FusedHeadLoss(torch.autograd.Function):
         for a in range(0, N, chunk):
             s_c = state[a : a + chunk].float()
             logits = s_c @ w32.T  # (c, V)
+            if has_bias:
+                logits += b32
             dlogits = torch.zeros_like(logits) if need_grad else None
             tgt = target[a : a + chunk]
             if lm_w > 0:
@@ -95,19 +101,26 @@ class _FusedHeadLoss(torch.autograd.Function):
             if need_grad:
                 grad_state[a : a + chunk] = dlogits @ w32
                 grad_weight += dlogits.T @ s_c
+                if has_bias:
+                    grad_bias += dlogits.sum(0)
             del logits, dlogits
         ce_mean = ce_sum / max(n_ce, 1)
         kl_mean = kl_sum / max(n_kl, 1)
         loss = lm_w * ce_mean + kl_w * T * T * kl_mean
+        ctx.has_bias = has_bias
         if need_grad:
-            ctx.save_for_backward(grad_state.to(state.dtype), grad_weight.to(weight.dtype))
+            saved = [grad_state.to(state.dtype), grad_weight.to(weight.dtype)]
+            if has_bias:
+                saved.append(grad_bias.to(bias.dtype))
+            ctx.save_for_backward(*saved)
         ctx.mark_non_differentiable(ce_mean, kl_mean, counts)
         return loss, ce_mean, kl_mean, counts
 
     @staticmethod
     def backward(ctx, g_loss, *_):
-        grad_state, grad_weight = ctx.saved_tensors
-        return (grad_state * g_loss, grad_weight * g_loss) + (None,) * 10
+        saved = ctx.saved_tensors
+        grad_bias = saved[2] * g_loss if ctx.has_bias else None
+        return (saved[0] * g_loss, saved[1] * g_loss, grad_bias) + (None,) * 10
 
 
 def fused_head_loss(
@@ -121,12 +134,14 @@ def fused_head_loss(
     distill_weight: float = 1.0,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    bias: torch.Tensor | None = None,
 ) -> HeadLoss:
     """Loss of one head over N selected positions, computed chunk by chunk.
 
     state: (N, H) head states; weight: (V, H) the head's output projection; target: (N,) the
     true token as an index into V (-1: not in the head's vocab, no CE); base_top1: (N,) the base
-    model's argmax as an index into V (-1 when outside it); teacher_state: (N, H) the base's
+    model's argmax as an index into V (-1 when outside it); bias: (V,) or None, added to the
+    head's logits; teacher_state: (N, H) the base's
     final hidden state at position t+k, projected by teacher_weight (V, H) to the teacher logits.
     """
     if distill_weight > 0 and (teacher_state is None or teacher_weight is None):
@@ -136,6 +151,7 @@ def fused_head_loss(
     loss, ce, kl, counts = _FusedHeadLoss.apply(
         state,
         weight,
+        bias,
         teacher_state,
         teacher_weight,
         target,

@@ -150,6 +150,7 @@ class HeadsModule(pl.LightningModule):
         top = self.trainer.strategy.model
         top = getattr(top, "module", top)
         params = [lm.weight for lm in self.heads.lm_heads]
+        params += [lm.bias for lm in self.heads.lm_heads if lm.bias is not None]
         if self.base_model is not None:
             params += [self.teacher_weight, self.embed_weight]
         for p in {id(p): p for p in params}.values():
@@ -228,6 +229,7 @@ class HeadsModule(pl.LightningModule):
                 distill_weight=lc.distill_weight,
                 temperature=lc.temperature,
                 chunk_size=lc.chunk_size,
+                bias=self.heads.lm_heads[k - 1].bias,
             )
             total = total + weights[k - 1] * hl.loss
             per_head.append(

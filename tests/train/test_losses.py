@@ -62,3 +62,31 @@ def test_perfect_student_has_zero_kl():
         distill_weight=1.0,
     )
     assert float(out.loss) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [5, 1000])
+def test_bias_enters_logits_and_gets_its_gradient(chunk):
+    """zankner/Hydra-style heads carry an lm-head bias: the chunked loss and its gradients match
+    plain autograd over `s @ W.T + b`."""
+    torch.manual_seed(1)
+    N, H, V, T = 13, 8, 30, 2.0
+    s = torch.randn(N, H, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    b = torch.randn(V, requires_grad=True)
+    tgt = torch.randint(-1, V, (N,))
+    ts, tw = torch.randn(N, H), torch.randn(V, H)
+    out = fused_head_loss(s, w, tgt, tgt, ts, tw, 0.4, 1.0, T, chunk, bias=b)
+    logits = s @ w.T + b
+    valid = tgt >= 0
+    ce = torch.nn.functional.cross_entropy(logits[valid], tgt[valid])
+    log_p = torch.log_softmax(ts @ tw.T / T, -1)
+    log_q = torch.log_softmax(logits / T, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    ref = 0.4 * ce + T * T * kl
+    assert torch.allclose(out.loss, ref, rtol=1e-5, atol=1e-5)
+    for a, r in zip(torch.autograd.grad(out.loss, (s, w, b)), torch.autograd.grad(ref, (s, w, b)),
+                    strict=True):  # fmt: skip
+        assert torch.allclose(a, r, rtol=1e-4, atol=1e-5)
+    assert float(b.abs().sum()) > 0  # the bias really changed the logits
+    no_bias = fused_head_loss(s, w, tgt, tgt, ts, tw, 0.4, 1.0, T, chunk)
+    assert abs(float(no_bias.loss) - float(out.loss)) > 1e-3

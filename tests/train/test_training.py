@@ -169,3 +169,15 @@ def test_hidden_state_offset_reads_an_earlier_layer(tiny_prepared, tmp_path):
     l0, _ = m0.compute(batch)
     l1, _ = m1.compute(batch)
     assert torch.isfinite(l1) and not torch.allclose(l0, l1)
+
+
+def test_heads_with_biases_start_as_the_base_and_train_their_biases(tiny_prepared, tmp_path):
+    """head.bias=true (zankner/Hydra's layout): zero biases at start, trained like the rest."""
+    cfg = _cfg(tiny_prepared, tmp_path, "head=hydra", "head.num_heads=2", "head.bias=true")
+    module, dm, _ = build_module(cfg)
+    biases = [lm.bias for lm in module.heads.lm_heads] + [
+        mlp[0].proj.bias for mlp in module.heads.mlps
+    ]
+    assert all(b is not None and not b.any() for b in biases)
+    _fit(module, dm, 5)
+    assert all(b.abs().sum() > 0 for b in biases)

@@ -53,6 +53,9 @@ class HeadConfig:
     draft_vocab_size: int | None = None  # predict only the N most frequent training tokens
     noise_alpha: float = 0.0  # NEFTune-style uniform noise on the head inputs (0 = off)
     dropout: float = 0.0
+    # Biases on the output projections and on a head's input projection, as zankner/Hydra's
+    # heads have (`hydra_lm_head`, `res_connection`); off by default: the base lm_head has none.
+    bias: bool = False
     loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
@@ -77,7 +80,7 @@ class ResBlock(nn.Module):
     context state through unchanged and a fresh head starts as the base model's own lm_head.
     """
 
-    def __init__(self, in_dim: int, dim: int, dropout: float = 0.0):
+    def __init__(self, in_dim: int, dim: int, dropout: float = 0.0, bias: bool = False):
         super().__init__()
         self.dropout = nn.Dropout(dropout)
         self.linear = nn.Linear(in_dim, dim)
@@ -87,8 +90,10 @@ class ResBlock(nn.Module):
         if in_dim == dim:
             self.proj = nn.Identity()
         else:
-            self.proj = nn.Linear(in_dim, dim, bias=False)
+            self.proj = nn.Linear(in_dim, dim, bias=bias)
             with torch.no_grad():
+                if bias:
+                    self.proj.bias.zero_()
                 self.proj.weight.zero_()
                 self.proj.weight[:, :dim] = torch.eye(dim)
         self.act = nn.SiLU()
@@ -98,10 +103,13 @@ class ResBlock(nn.Module):
         return self.proj(x) + self.act(self.linear(x))
 
 
-def mlp_stack(in_dim: int, dim: int, num_layers: int, dropout: float) -> nn.Sequential:
-    """num_layers ResBlocks, the first mapping in_dim -> dim; each block its own module."""
+def mlp_stack(
+    in_dim: int, dim: int, num_layers: int, dropout: float, bias: bool = False
+) -> nn.Sequential:
+    """num_layers ResBlocks, the first mapping in_dim -> dim; each block its own module.
+    `bias`: the first block's input projection (in_dim != dim) carries a bias."""
     return nn.Sequential(
-        ResBlock(in_dim, dim, dropout),
+        ResBlock(in_dim, dim, dropout, bias),
         *(ResBlock(dim, dim, dropout) for _ in range(num_layers - 1)),
     )
 

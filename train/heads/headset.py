@@ -47,9 +47,11 @@ class HeadSet(nn.Module):
         out = rows.shape[0]
         self.lm_heads = nn.ModuleList()
         for _ in range(cfg.num_heads):
-            lin = nn.Linear(hidden_size, out, bias=False)
+            lin = nn.Linear(hidden_size, out, bias=cfg.bias)
             with torch.no_grad():
                 lin.weight.copy_(rows.to(lin.weight.dtype))
+                if cfg.bias:
+                    lin.bias.zero_()  # starts as the base's own lm_head
             self.lm_heads.append(lin)
         # Head k's residual MLP: its first block reads the context, plus the k+1 path
         # embeddings for heads that use the path ((k+2)H -> H); each block its own weights.
@@ -59,6 +61,7 @@ class HeadSet(nn.Module):
                 hidden_size,
                 cfg.num_layers,
                 cfg.dropout,
+                cfg.bias,
             )
             for k in range(cfg.num_heads)
         )
