@@ -354,7 +354,7 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
     result = summarize(spec_all, plain_all, tree.max_depth)
     result.update(
         {
-            "heads": str(cfg.heads),
+            "heads": str(Path(cfg.heads).expanduser().resolve()),
             "arch": heads.arch,
             "num_heads": heads.num_heads,
             "base": base.fingerprint(),

@@ -116,22 +116,31 @@ def _per_head(val: dict, metric: str) -> list[float]:
     return out
 
 
-def _locate(path: Path) -> tuple[Path | None, Path | None]:
-    """(train dir, eval dir) for a run dir given by the user."""
+def _locate(path: Path, train_hint: Path | None = None) -> tuple[Path | None, Path | None, str]:
+    """(train dir, eval dir, warning) for a run dir given by the user."""
     eval_dir = next((d for d in (path, path / "eval") if (d / "eval.json").is_file()), None)
     train_dir = next(
-        (d for d in (path, path / "train") if (d / "train_summary.json").is_file()), None
-    )
+        (d for d in (train_hint, path, path / "train")
+         if d is not None and (d / "train_summary.json").is_file()),
+        None,
+    )  # fmt: skip
+    warning = ""
     if train_dir is None and eval_dir is not None:
         heads = _read_json(eval_dir / "eval.json").get("heads")
         if heads and (Path(heads).parent / "train_summary.json").is_file():
             train_dir = Path(heads).parent
-    return train_dir, eval_dir
+        else:
+            warning = (
+                f"no training run found for {eval_dir} (its heads {heads} have no "
+                "train_summary.json beside them): training figures left out"
+            )
+    return train_dir, eval_dir, warning
 
 
-def expand_runs(paths: list[str]) -> list[tuple[str, Path]]:
-    """(name, dir) per run; a sweep dir (with sweep.json) stands for its finished points."""
-    runs: list[tuple[str, Path]] = []
+def expand_runs(paths: list[str]) -> list[tuple[str, Path, Path | None]]:
+    """(name, dir, train dir if known) per run; a sweep dir (with sweep.json) stands for its
+    finished points."""
+    runs: list[tuple[str, Path, Path | None]] = []
     for p in map(lambda s: Path(s).expanduser(), paths):
         if not p.exists():
             raise ReportError(f"run dir {p} does not exist")
@@ -140,21 +149,35 @@ def expand_runs(paths: list[str]) -> list[tuple[str, Path]]:
             done = [pt for pt in sweep.get("points", []) if pt.get("status") == "done"]
             if not done:
                 raise ReportError(f"sweep {p} has no finished point yet; run or resume it first")
-            runs += [(pt["name"], p / pt["dir"]) for pt in done]
+            runs += [
+                (pt["name"], p / pt["dir"], p / "points" / pt["train_point"] / "train")
+                if "train_point" in pt
+                else (pt["name"], p / pt["dir"], None)
+                for pt in done
+            ]
         else:
-            runs.append((p.resolve().name, p))
+            d = p.resolve()
+            # `.../<run>/eval` or `.../<run>/train` is named after <run>
+            runs.append((d.parent.name if d.name in ("eval", "train") else d.name, p, None))
     return runs
 
 
-def load_run(name: str, path: Path) -> dict[str, Any]:
+def _finite(x: Any) -> float | None:
+    """A figure fit for a table: non-finite values (a diverged run's NaN loss) become None."""
+    if isinstance(x, int | float) and not isinstance(x, bool):
+        return float(x) if math.isfinite(x) else None
+    return None
+
+
+def load_run(name: str, path: Path, train_hint: Path | None = None) -> dict[str, Any]:
     """Every figure of one run, from its train and/or eval outputs."""
-    train_dir, eval_dir = _locate(path)
+    train_dir, eval_dir, warning = _locate(path, train_hint)
     if train_dir is None and eval_dir is None:
         raise ReportError(
             f"{path} holds neither eval.json nor train_summary.json (nor eval/ or train/ with "
             "them): pass a `hydra-heads train` out dir, an eval out dir, or a sweep dir"
         )
-    run: dict[str, Any] = {"name": name, "dir": str(path)}
+    run: dict[str, Any] = {"name": name, "dir": str(path), "warnings": [warning] if warning else []}
     config: dict[str, Any] = {}
     if train_dir is not None:
         summary = _read_json(train_dir / "train_summary.json")
@@ -168,8 +191,8 @@ def load_run(name: str, path: Path) -> dict[str, Any]:
             "trainable_params": summary.get("trainable_params"),
             "world_size": summary.get("world_size", 1),
             "strategy": summary.get("strategy"),
-            "val_loss": val.get("val/loss"),
-            "tau_est": val.get("val/tau_est"),
+            "val_loss": _finite(val.get("val/loss")),
+            "tau_est": _finite(val.get("val/tau_est")),
             "top1": _per_head(val, "top1"),
             "top5": _per_head(val, "top5"),
             "top1_base": _per_head(val, "top1_base"),
@@ -194,8 +217,8 @@ def load_run(name: str, path: Path) -> dict[str, Any]:
         run.setdefault("base", (ev.get("base") or {}).get("name"))
         run["eval"] = {
             "dir": str(eval_dir),
-            "tau": ev.get("tau"),
-            "speedup": ev.get("speedup"),
+            "tau": _finite(ev.get("tau")),
+            "speedup": _finite(ev.get("speedup")),
             "spec_tokens_per_s": ev.get("spec_tokens_per_s"),
             "plain_tokens_per_s": ev.get("plain_tokens_per_s"),
             "acceptance_cumulative": ev.get("acceptance_cumulative") or [],
@@ -231,7 +254,9 @@ def config_diff(runs: list[dict]) -> dict[str, list[Any]]:
     keys = sorted({k for r in runs for k in r["config"]})
     diff = {}
     for k in keys:
-        if k in DIFF_IGNORE or k.endswith((".out", ".dir")) or k.startswith("hydra."):
+        if k in DIFF_IGNORE or k.endswith((".out", ".dir", "save_dir")) or k.startswith("hydra."):
+            continue
+        if sum(k in r["config"] for r in runs) < 2:  # e.g. train keys of eval-only runs
             continue
         vals = [r["config"].get(k) for r in runs]
         if len({json.dumps(v, default=str) for v in vals}) > 1:
@@ -508,12 +533,16 @@ GAP_NOTE = (
 def _markdown(report: dict) -> str:
     lines = [f"# {report['title']}", "", f"{len(report['runs'])} run(s); {report['created']}.", ""]
     for title, header, rows in _tables(report):
-        lines += [f"## {title}", "", "| " + " | ".join(header) + " |"]
+        cell = lambda c: c.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        lines += [f"## {title}", "", "| " + " | ".join(map(cell, header)) + " |"]
         lines.append("|" + "|".join("---" for _ in header) + "|")
-        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+        lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
         lines.append("")
         if title.startswith("Leaderboard"):
             lines += [GAP_NOTE, ""]
+    notes = [w for r in report["runs"] for w in r.get("warnings", [])]
+    if notes:
+        lines += ["## Notes", "", *(f"- {w}" for w in notes), ""]
     if report["plots"]:
         lines += ["## Plots", ""]
         for name, file in report["plots"].items():
@@ -545,6 +574,9 @@ def _html(report: dict, out: Path) -> str:
         parts.append("</table>")
         if title.startswith("Leaderboard"):
             parts.append(f"<p class='note'>{e(GAP_NOTE)}</p>")
+    notes = [w for r in report["runs"] for w in r.get("warnings", [])]
+    if notes:
+        parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{e(w)}</li>" for w in notes) + "</ul>")
     for name, file in report["plots"].items():
         data = base64.b64encode((out / file).read_bytes()).decode()
         parts.append(
@@ -569,12 +601,16 @@ def build_report(cfg: ReportConfig) -> Report:
     if cfg.names is not None:
         if len(found) != len(cfg.names):
             raise ReportError(f"{len(cfg.names)} names for {len(found)} runs (sweeps expand)")
-        found = [(n, p) for n, (_, p) in zip(cfg.names, found, strict=True)]
-    seen: dict[str, int] = {}
+        found = [(n, p, t) for n, (_, p, t) in zip(cfg.names, found, strict=True)]
+    taken: set[str] = set()
     runs = []
-    for name, path in found:
-        seen[name] = seen.get(name, 0) + 1
-        runs.append(load_run(name if seen[name] == 1 else f"{name}-{seen[name]}", path))
+    for name, path, train_hint in found:
+        unique, i = name, 1
+        while unique in taken:
+            i += 1
+            unique = f"{name}-{i}"
+        taken.add(unique)
+        runs.append(load_run(unique, path, train_hint))
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     plots = _plot_all(runs, out) if cfg.plots else {}

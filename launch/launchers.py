@@ -104,12 +104,19 @@ def train_command(overrides: list[str], python: str | None = None) -> list[str]:
 
 
 def sbatch_script(
-    sl: SlurmLauncher, overrides: list[str], out: str, workdir: str, python: str | None = None
+    sl: SlurmLauncher,
+    overrides: list[str],
+    out: str,
+    workdir: str,
+    python: str | None = None,
+    body: list[str] | None = None,
 ) -> str:
-    """An sbatch script that runs the training with one srun task per device."""
+    """An sbatch script that runs the training with one srun task per device (or, with `body`,
+    those shell lines instead, under the same allocation, signal and requeue settings)."""
     resume = [] if any(o.split("=")[0] == "resume" for o in overrides) else ["resume=auto"]
     ranks = [f"trainer.num_nodes={sl.nodes}", f"trainer.devices={sl.tasks_per_node}"]
     cmd = train_command([*overrides, *ranks, *resume], python)
+    run = body if body is not None else [f"srun --kill-on-bad-exit=1 {_q(cmd)}"]
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={sl.job_name}",
@@ -137,7 +144,7 @@ def sbatch_script(
         *sl.setup,
         "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}",
         'echo "hydra-heads: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST"',
-        f"srun --kill-on-bad-exit=1 {_q(cmd)}",
+        *run,
         "",
     ]
     return "\n".join(lines)

@@ -8,15 +8,19 @@ Layout under `out`:
     report/                          `hydra-heads report` over every finished point
     logs/<point>.log                 each step's console output
 
-Points run as subprocesses of the real CLI, one after another (`launcher=local`) or as one
-SLURM job per train point (`launcher=slurm`) whose job runs that point's evals and refreshes the
-report when its training ends. A killed sweep resumes: finished points are skipped, a point whose
-training was cut short continues from its last checkpoint (`resume=auto`).
+Points run as subprocesses of the real CLI, one after another (`backend=local`) or as one
+SLURM job per train point (`backend=slurm`): the job runs this sweep for its own point
+(`only=<point>`), training under `srun` on every task of the allocation, then the point's evals,
+then refreshes the report. A killed sweep resumes: finished points are skipped, a point whose
+training was cut short continues from its last checkpoint (`resume=auto`). A point being run
+by another process (a lock per point) is left to it.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import hashlib
 import itertools
 import json
 import logging
@@ -47,6 +51,8 @@ class SweepSpec:
     sort_by: str = "tau"
 
     def __post_init__(self) -> None:
+        from evaluation.report import SORT_KEYS
+
         for key, grid in (("sweep.grid", self.grid), ("sweep.eval_grid", self.eval_grid)):
             for k, vals in grid.items():
                 if not isinstance(vals, list) or not vals:
@@ -59,6 +65,12 @@ class SweepSpec:
         for o in self.train:
             if o.split("=", 1)[0].lstrip("+~") in ("out", "resume"):
                 fail("sweep.train", o, "no out= or resume= (the sweep sets them per point)")
+        if self.sort_by not in SORT_KEYS:
+            fail("sweep.sort_by", self.sort_by, f"one of {', '.join(SORT_KEYS)}")
+
+
+# What makes a sweep the same sweep on resume (sort_by may change freely).
+IDENTITY = ("grid", "eval_grid", "train", "eval")
 
 
 @dataclass
@@ -75,12 +87,17 @@ class SweepConfig:
     #   'grid=["head=medusa,hydra","head.num_layers=1,2"]' 'eval_grid=["tree=chain,sparse_15"]'
     grid: list[str] | None = None
     eval_grid: list[str] | None = None
-    launcher: Literal["local", "slurm"] = "local"
+    backend: Literal["local", "slurm"] = "local"
     only: str | None = None  # run this train point only (what a SLURM point job runs)
     max_failures: int | None = None  # stop after this many failed points (default: never)
     report: bool = True
-    dry_run: bool = False  # list the points and their commands, run nothing
+    dry_run: bool = False  # list the points and their commands, run nothing, write nothing
     slurm: dict[str, Any] = field(default_factory=dict)  # launch.launchers.SlurmLauncher keys
+    # Set by backend=slurm in each point job's command line: the train step's command prefix
+    # (srun) and the overrides that size it to the allocation.
+    train_prefix: list[str] = field(default_factory=list)
+    job_train_args: list[str] = field(default_factory=list)
+    job_eval_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_failures is not None and self.max_failures < 1:
@@ -113,30 +130,62 @@ def _split_values(text: str) -> list[str]:
     return [*out, cur]
 
 
-def parse_grid(key: str, items: list[str]) -> dict[str, list[str]]:
+def _value(text: str) -> Any:
+    """An override value as YAML reads it (`null`, `[1,2]`, `0.5`, `medusa`)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_grid(key: str, items: list[str]) -> dict[str, list[Any]]:
     """['head=medusa,hydra', 'optim.lr=1e-3,3e-3'] -> {'head': [...], 'optim.lr': [...]}."""
-    grid: dict[str, list[str]] = {}
+    grid: dict[str, list[Any]] = {}
     for item in items:
         name, sep, values = str(item).partition("=")
         vals = [v.strip() for v in _split_values(values)]
         if not sep or not name.strip() or not all(vals):
             fail(key, item, "entries like 'head=medusa,hydra' (a key, '=', comma-separated values)")
-        grid[name.strip()] = vals
+        grid[name.strip()] = [_value(v) for v in vals]
     return grid
 
 
+_SPECIAL = re.compile(r"[\s,=\[\]{}()'\":]")
+
+
 def _fmt(v: Any) -> str:
-    if isinstance(v, list | dict):
-        return json.dumps(v, separators=(",", ":"))
+    """A value as hydra's override grammar reads it back."""
+    if v is None:
+        return "null"
     if isinstance(v, bool):
         return str(v).lower()
-    return str(v)
+    if isinstance(v, list | dict):
+        return json.dumps(v, separators=(",", ":"))
+    s = str(v)
+    if isinstance(v, str) and (not s or _SPECIAL.search(s)):
+        return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return s
 
 
 def _slug(overrides: list[str]) -> str:
-    """A dir name for a point: `head=hydra,head.num_layers=2` -> `head-hydra_head.num_layers-2`."""
+    """A readable dir name: `head=hydra,head.num_layers=2` -> `head-hydra_head.num_layers-2`."""
     s = "_".join(o.replace("=", "-").replace(",", "-") for o in overrides) or "default"
-    return re.sub(r"[^A-Za-z0-9._-]+", "", s)[:120]
+    return re.sub(r"[^A-Za-z0-9._-]+", "", s)
+
+
+def _unique_slugs(groups: list[list[str]]) -> list[str]:
+    """One dir name per override group, distinct for distinct groups: readable slugs, with a
+    hash of the overrides where slugs would be cut short or would coincide."""
+    slugs = [_slug(g) for g in groups]
+    out = []
+    for g, s in zip(groups, slugs, strict=True):
+        if len(s) > 80 or slugs.count(s) > 1:
+            digest = hashlib.sha1(json.dumps(g).encode()).hexdigest()[:8]
+            s = f"{s[:80]}-{digest}"
+        out.append(s)
+    return out
 
 
 def grid_points(grid: dict[str, list[Any]]) -> list[list[str]]:
@@ -149,17 +198,14 @@ def grid_points(grid: dict[str, list[Any]]) -> list[list[str]]:
 
 def plan_points(spec: SweepSpec) -> list[dict[str, Any]]:
     """Every (train point, eval point) pair with its dirs; the order they run in."""
+    trains = grid_points(spec.grid) or [[]]
+    evals = grid_points(spec.eval_grid) or [[]]
     points = []
-    for tr in grid_points(spec.grid) or [[]]:
-        tname = _slug(tr)
-        for ev in grid_points(spec.eval_grid) or [[]]:
-            ename = _slug(ev)
-            name = tname if not ev else f"{tname}__{ename}"
-            if any(p["name"] == name for p in points):  # values that slug alike
-                name = f"{name}-{len(points)}"
+    for tr, tname in zip(trains, _unique_slugs(trains), strict=True):
+        for ev, ename in zip(evals, _unique_slugs(evals), strict=True):
             points.append(
                 {
-                    "name": name,
+                    "name": tname if not ev else f"{tname}__{ename}",
                     "train_point": tname,
                     "train_overrides": tr,
                     "eval_overrides": ev,
@@ -175,9 +221,33 @@ def _locked(path: Path):
     """An exclusive lock on `path`.lock: SLURM point jobs update sweep.json concurrently."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        except OSError as e:  # e.g. Lustre mounted without flock
+            raise ConfigError(
+                f"cannot lock {fh.name} ({e}); put the sweep's out= on a filesystem with file "
+                "locks (local disk, NFS, or Lustre mounted with -o flock)"
+            ) from None
         try:
             yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _point_lock(path: Path):
+    """Yields False if another process holds the point (it is being run there)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                yield False
+                return
+            raise
+        try:
+            yield True
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
@@ -189,17 +259,20 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def load_state(out: Path, spec: SweepSpec) -> dict[str, Any]:
-    """sweep.json, created on the first run; a resumed sweep must be the same grid."""
+    """sweep.json (or a fresh plan); a resumed sweep must be the same grid."""
     path = out / "sweep.json"
     fresh = {"spec": asdict(spec), "points": plan_points(spec)}
     if not path.is_file():
         return fresh
     state = json.loads(path.read_text())
-    if state.get("spec") != fresh["spec"]:
+    old = state.get("spec") or {}
+    changed = [k for k in IDENTITY if old.get(k) != fresh["spec"][k]]
+    if changed:
         raise ConfigError(
-            f"{path} belongs to a different sweep (grid or shared overrides changed); resume it "
-            "with the same sweep settings, or choose another out"
+            f"{path} belongs to a different sweep: sweep.{', sweep.'.join(changed)} changed. "
+            "Resume it with the same settings, or choose another out"
         )
+    state["spec"] = fresh["spec"]  # e.g. a new sort_by
     return state
 
 
@@ -209,6 +282,9 @@ def _update_point(out: Path, name: str, **changes: Any) -> None:
         for pt in state["points"]:
             if pt["name"] == name:
                 pt.update(changes)
+                if changes.get("status") == "done":
+                    pt.pop("error", None)
+                    pt.pop("stage", None)
         _write_json(out / "sweep.json", state)
 
 
@@ -218,21 +294,23 @@ def _cli(*args: str) -> list[str]:
 
 def train_command(cfg: SweepConfig, out: Path, tname: str, overrides: list[str]) -> list[str]:
     train_out = out / "points" / tname / "train"
-    args = [*cfg.sweep.train, *overrides, *cfg.train_args]
-    return _cli("train", *args, f"out={train_out}", "resume=auto")
+    args = [*cfg.sweep.train, *overrides, *cfg.train_args, *cfg.job_train_args]
+    return [*cfg.train_prefix, *_cli("train", *args, f"out={train_out}", "resume=auto")]
 
 
 def eval_command(cfg: SweepConfig, out: Path, point: dict) -> list[str]:
     heads = out / "points" / point["train_point"] / "train" / "heads"
-    args = [*cfg.sweep.eval, *point["eval_overrides"], *cfg.eval_args]
+    args = [*cfg.sweep.eval, *point["eval_overrides"], *cfg.eval_args, *cfg.job_eval_args]
     return _cli("eval", *args, f"heads={heads}", f"out={out / point['dir']}")
 
 
 def _run_logged(cmd: list[str], logfile: Path) -> int:
     """Run one CLI step, its output appended to `logfile`; the exit status."""
+    import shlex
+
     logfile.parent.mkdir(parents=True, exist_ok=True)
     with logfile.open("a") as fh:
-        fh.write(f"\n$ {' '.join(cmd)}\n")
+        fh.write(f"\n$ {shlex.join(cmd)}\n")
         fh.flush()
         return subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
 
@@ -248,12 +326,17 @@ def _tail(logfile: Path, n: int = 5) -> str:
 
 def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
     """Run (or resume) every unfinished point; return the final sweep.json content."""
+    import shlex
+
     out = Path(cfg.out).expanduser().resolve()
     spec = cfg.sweep
-    out.mkdir(parents=True, exist_ok=True)
-    with _locked(out / "sweep.json"):
+    if cfg.dry_run:
         state = load_state(out, spec)
-        _write_json(out / "sweep.json", state)
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        with _locked(out / "sweep.json"):
+            state = load_state(out, spec)
+            _write_json(out / "sweep.json", state)
     points = [p for p in state["points"] if cfg.only is None or p["train_point"] == cfg.only]
     if cfg.only is not None and not points:
         names = sorted({p["train_point"] for p in state["points"]})
@@ -261,62 +344,75 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
     if cfg.dry_run:
         for p in points:
             print(f"# {p['name']} [{p['status']}]")
-            print(" ".join(train_command(cfg, out, p["train_point"], p["train_overrides"])))
-            print(" ".join(eval_command(cfg, out, p)))
+            print(shlex.join(train_command(cfg, out, p["train_point"], p["train_overrides"])))
+            print(shlex.join(eval_command(cfg, out, p)))
         return state
-    if cfg.launcher == "slurm":
+    if cfg.backend == "slurm":
         return submit_points(cfg, out, state)
+    from rich.markup import escape
     from rich.progress import Progress
 
     failures = 0
+    failed_train: set[str] = set()
     todo = [p for p in points if p["status"] != "done"]
     skipped = len(points) - len(todo)
     with Progress(disable=not progress) as bar:
         task = bar.add_task(f"sweep {spec.name} ({skipped} done before)", total=len(points))
         bar.advance(task, skipped)
+
+        def failed(p: dict, stage: str, msg: str) -> bool:
+            nonlocal failures
+            failures += 1
+            _update_point(out, p["name"], status="failed", stage=stage, error=msg)
+            bar.console.print(f"[red]{escape(p['name'])}: {stage} failed[/red]: {escape(msg)}")
+            return bool(cfg.max_failures and failures >= cfg.max_failures)
+
         for p in todo:
-            log_file = out / "logs" / f"{p['name']}.log"
-            tdir = out / "points" / p["train_point"] / "train"
-            t0 = time.time()
-            if not (tdir / "train_summary.json").is_file():
-                bar.update(task, description=f"train {p['train_point']}")
-                _update_point(out, p["name"], status="training")
-                cmd = train_command(cfg, out, p["train_point"], p["train_overrides"])
-                if _run_logged(cmd, log_file) != 0:
-                    failures += 1
-                    msg = _tail(log_file)
-                    _update_point(out, p["name"], status="failed", stage="train", error=msg)
-                    bar.console.print(f"[red]{p['name']}: training failed[/red]: {msg}")
-                    if cfg.max_failures and failures >= cfg.max_failures:
-                        break
-                    bar.advance(task)
-                    continue
-            bar.update(task, description=f"eval {p['name']}")
-            _update_point(out, p["name"], status="evaluating")
-            if _run_logged(eval_command(cfg, out, p), log_file) != 0:
-                failures += 1
-                msg = _tail(log_file)
-                _update_point(out, p["name"], status="failed", stage="eval", error=msg)
-                bar.console.print(f"[red]{p['name']}: eval failed[/red]: {msg}")
-                if cfg.max_failures and failures >= cfg.max_failures:
-                    break
-            else:
-                _update_point(out, p["name"], status="done", seconds=round(time.time() - t0, 1))
-                if cfg.report:
-                    write_report(out, spec)
             bar.advance(task)
-    state = json.loads((out / "sweep.json").read_text())
-    return state
+            tname = p["train_point"]
+            if tname in failed_train:  # its training already failed in this run
+                if failed(p, "train", f"training of {tname} failed (see its other point)"):
+                    break
+                continue
+            with _point_lock(out / "points" / tname / ".lock") as mine:
+                if not mine:
+                    bar.console.print(f"{escape(p['name'])}: being run by another process")
+                    continue
+                log_file = out / "logs" / f"{p['name']}.log"
+                tdir = out / "points" / tname / "train"
+                t0 = time.time()
+                if not (tdir / "train_summary.json").is_file():
+                    bar.update(task, description=f"train {tname}")
+                    _update_point(out, p["name"], status="training")
+                    cmd = train_command(cfg, out, tname, p["train_overrides"])
+                    if _run_logged(cmd, log_file) != 0:
+                        failed_train.add(tname)
+                        if failed(p, "train", _tail(log_file)):
+                            break
+                        continue
+                bar.update(task, description=f"eval {p['name']}")
+                _update_point(out, p["name"], status="evaluating")
+                if _run_logged(eval_command(cfg, out, p), log_file) != 0:
+                    if failed(p, "eval", _tail(log_file)):
+                        break
+                    continue
+                _update_point(out, p["name"], status="done", seconds=round(time.time() - t0, 1))
+            if cfg.report:
+                try:
+                    write_report(out, spec)
+                except Exception as e:  # noqa: BLE001 - a report problem must not stop training
+                    bar.console.print(f"[yellow]report not refreshed[/yellow]: {escape(str(e))}")
+    return json.loads((out / "sweep.json").read_text())
 
 
 def write_report(out: Path, spec: SweepSpec) -> Path | None:
     """The comparison report over every finished point (rewritten as points finish)."""
     from evaluation.report import ReportConfig, build_report
 
-    state = json.loads((out / "sweep.json").read_text())
-    if not any(p["status"] == "done" for p in state["points"]):
-        return None
-    with _locked(out / "report.json"):  # out/report.lock
+    with _locked(out / "report.json"):  # out/report.lock; reads sweep.json inside the lock
+        state = json.loads((out / "sweep.json").read_text())
+        if not any(p["status"] == "done" for p in state["points"]):
+            return None
         rep = build_report(
             ReportConfig(
                 runs=[str(out)],
@@ -333,52 +429,71 @@ def _live_jobs(jobs: dict[str, str]) -> dict[str, str]:
     if not jobs:
         return {}
     try:
-        r = subprocess.run(
-            ["squeue", "-h", "-o", "%i", "-j", ",".join(jobs.values())],
-            capture_output=True,
-            text=True,
-        )
+        r = subprocess.run(["squeue", "--me", "-h", "-o", "%i"], capture_output=True, text=True)
     except FileNotFoundError:
-        return {}
+        raise ConfigError("squeue not found: run backend=slurm on a SLURM login node") from None
+    if r.returncode != 0:
+        raise ConfigError(
+            f"squeue failed ({r.stderr.strip()}): cannot tell which point jobs still run, so "
+            "none is submitted again; retry when the controller answers"
+        )
     alive = set(r.stdout.split())
     return {t: j for t, j in jobs.items() if j in alive}
 
 
 def submit_points(cfg: SweepConfig, out: Path, state: dict) -> dict[str, Any]:
-    """One sbatch job per unfinished train point: it trains (resumably, requeued on
-    pre-emption), then runs this sweep with only=<point> on its first node for the evals."""
-    from launch.launchers import SlurmLauncher, _q, sbatch_script
+    """One sbatch job per unfinished train point. The job runs this sweep for its point only:
+    training under srun on every task (requeued on pre-emption, resumed), then the evals."""
+    import shlex
+
+    from launch.launchers import SlurmLauncher, sbatch_script
     from train.config import from_mapping
 
     sl = from_mapping(SlurmLauncher, {"name": "slurm", **cfg.slurm}, prefix="slurm")
-    spec = cfg.sweep
-    jobs = {}
     live = _live_jobs(state.get("jobs", {}))
     pending = sorted(
         {p["train_point"] for p in state["points"] if p["status"] != "done"} - set(live)
     )
     for tname in sorted(live):
         print(f"{tname}: job {live[tname]} is still queued or running; not submitted again")
-    argv = [a for a in sys.argv[1:] if not a.startswith(("launcher=", "only="))]
+    argv = [
+        a
+        for a in sys.argv[1:]
+        if not a.lstrip("+~").startswith(("backend=", "only=", "train_prefix=", "job_"))
+    ]
+    job_train = [f"trainer.num_nodes={sl.nodes}", f"trainer.devices={sl.tasks_per_node}"]
+    user_eval = [*cfg.sweep.eval, *cfg.eval_args]
+    # Evals run on the job's first GPU unless the sweep says where.
+    job_eval = (
+        ["eval.device=cuda"]
+        if sl.gpus_per_node and not any(a.startswith("eval.device=") for a in user_eval)
+        else []
+    )
     for tname in pending:
-        tr = next(p for p in state["points"] if p["train_point"] == tname)["train_overrides"]
-        tdir = out / "points" / tname / "train"
+        tdir = out / "points" / tname
         tdir.mkdir(parents=True, exist_ok=True)
-        args = [*spec.train, *tr, *cfg.train_args, f"out={tdir}"]
-        script = sbatch_script(sl, args, str(tdir), os.getcwd())
-        script += _q(_cli("sweep", *argv, "launcher=local", f"only={tname}")) + "\n"
+        job = _cli(
+            "sweep",
+            *argv,
+            "backend=local",
+            f"only={tname}",
+            "train_prefix=" + json.dumps(["srun", "--kill-on-bad-exit=1"]),
+            "job_train_args=" + json.dumps(job_train),
+            "job_eval_args=" + json.dumps(job_eval),
+        )
+        script = sbatch_script(sl, [], str(tdir), os.getcwd(), body=[shlex.join(job)])
         path = tdir / "sweep_point.sbatch"
         path.write_text(script)
         try:
             r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
         except FileNotFoundError:
-            raise ConfigError("sbatch not found: run on a SLURM login node") from None
+            raise ConfigError("sbatch not found: run backend=slurm on a SLURM login node") from None
         if r.returncode != 0:
-            raise RuntimeError(f"sbatch failed for {tname}: {r.stderr.strip()}")
-        jobs[tname] = r.stdout.strip().split(";")[0]
-        print(f"submitted {tname}: job {jobs[tname]} ({path})")
-    with _locked(out / "sweep.json"):
-        st = json.loads((out / "sweep.json").read_text())
-        st.setdefault("jobs", {}).update(jobs)
-        _write_json(out / "sweep.json", st)
-    return st
+            raise ConfigError(f"sbatch failed for point {tname}: {r.stderr.strip()}")
+        job_id = r.stdout.strip().split(";")[0]
+        with _locked(out / "sweep.json"):  # recorded at once: a later failure forgets nothing
+            st = json.loads((out / "sweep.json").read_text())
+            st.setdefault("jobs", {})[tname] = job_id
+            _write_json(out / "sweep.json", st)
+        print(f"submitted {tname}: job {job_id} ({path})")
+    return json.loads((out / "sweep.json").read_text())

@@ -1,4 +1,10 @@
-"""Log eval figures and report tables into the wandb run that trained the heads (offline too)."""
+"""Log eval figures and report tables into the wandb run that trained the heads.
+
+Online, eval and report resume the training run itself (same id). wandb cannot resume an
+offline run, so offline they log into runs of their own, grouped with it (`group` = the
+training run's id, `job_type` eval / report); `wandb sync` uploads all of them together.
+`WANDB_MODE` wins when set (`disabled`: nothing is logged).
+"""
 
 from __future__ import annotations
 
@@ -11,35 +17,64 @@ log = logging.getLogger(__name__)
 
 
 def run_info(logger: Any) -> dict[str, str] | None:
-    """What finds a Lightning WandbLogger's run again later: id, project and its save dir."""
+    """What finds a Lightning WandbLogger's run again later: id, project, entity, its dir."""
     if isinstance(logger, list | tuple):
         return next((i for i in map(run_info, logger) if i is not None), None)
     if type(logger).__name__ != "WandbLogger":
         return None
     exp = logger.experiment
+    mode = str(getattr(exp.settings, "mode", "") or "")
+    if mode == "disabled" or not getattr(exp, "id", None):
+        return None
     return {
         "id": str(exp.id),
+        "name": str(getattr(exp, "name", "") or exp.id),
         "project": str(exp.project or logger.name or "hydra-heads"),
+        "entity": getattr(exp, "entity", None) or None,
         "dir": str(Path(logger.save_dir or os.environ.get("WANDB_DIR", ".")).resolve()),
-        "mode": "offline" if getattr(exp.settings, "mode", "") == "offline" else "online",
+        "mode": "online" if mode in ("online", "run") else "offline",
     }
 
 
-def _open(info: dict[str, str]):
+def _mode(info: dict[str, str]) -> str:
+    env = os.environ.get("WANDB_MODE")
+    if env:  # the user's explicit choice
+        return "offline" if env == "dryrun" else env
+    if info.get("mode") == "online" and os.environ.get("WANDB_API_KEY"):
+        return "online"
+    return "offline"  # never block on the network
+
+
+def _open(info: dict[str, str], job_type: str):
+    """The training run resumed (online), or a run grouped with it (offline); None if disabled."""
+    mode = _mode(info)
+    if mode == "disabled":
+        return None
     import wandb
 
     os.environ.setdefault("WANDB_CACHE_DIR", str(Path(info["dir"]) / ".wandb_cache"))
-    mode = info.get("mode", "offline")
-    if mode == "online" and not os.environ.get("WANDB_API_KEY"):
-        mode = "offline"  # never block on the network
-    return wandb.init(
-        id=info["id"],
-        project=info["project"],
-        dir=info["dir"],
-        resume="allow",
-        mode=mode,
-        reinit="create_new",
-    )
+    kw: dict[str, Any] = {
+        "project": info["project"],
+        "entity": info.get("entity"),
+        "dir": info["dir"],
+        "mode": mode,
+        "reinit": "create_new",
+    }
+    if mode == "online":
+        kw.update(id=info["id"], resume="allow")
+    else:
+        kw.update(
+            group=info["id"],
+            job_type=job_type,
+            name=f"{info.get('name') or info['id']}-{job_type}",
+            config={"train_run_id": info["id"]},
+        )
+    return wandb.init(**kw)
+
+
+def _where(info: dict[str, str], run) -> str:
+    base = f"{info['project']}/{info['id']}"
+    return base if run.id == info["id"] else f"{info['project']}/{run.id} (group {info['id']})"
 
 
 def train_run_of(heads_dir: str | Path) -> dict[str, str] | None:
@@ -59,7 +94,9 @@ def log_eval(res: dict[str, Any]) -> str | None:
         return None
     import wandb
 
-    run = _open(info)
+    run = _open(info, "eval")
+    if run is None:
+        return None
     try:
         scalars = {
             f"eval/{k}": res[k]
@@ -79,7 +116,7 @@ def log_eval(res: dict[str, Any]) -> str | None:
         run.summary.update(scalars)
     finally:
         run.finish()
-    return f"{info['project']}/{info['id']}"
+    return _where(info, run)
 
 
 def log_report(rep: Any, required: bool = False) -> dict[str, str]:
@@ -98,10 +135,16 @@ def log_report(rep: Any, required: bool = False) -> dict[str, str]:
 
     out = Path(rep.files[0]).parent
     columns = list(rep.data["leaderboard"][0])
-    logged = {}
+    logged: dict[str, str] = {}
+    seen: set[str] = set()
     for r in runs:
         info = r["train"]["wandb_run"]
-        run = _open(info)
+        if info["id"] in seen:  # several eval points of one training run: log it once
+            continue
+        seen.add(info["id"])
+        run = _open(info, "report")
+        if run is None:
+            continue
         try:
             table = wandb.Table(columns=columns)
             for row in rep.data["leaderboard"]:
@@ -113,5 +156,5 @@ def log_report(rep: Any, required: bool = False) -> dict[str, str]:
             run.log({"report/leaderboard": table, **images})
         finally:
             run.finish()
-        logged[r["name"]] = f"{info['project']}/{info['id']}"
+        logged[r["name"]] = _where(info, run)
     return logged

@@ -20,3 +20,11 @@ def publish_dir(build: Path, dest: Path) -> None:
     os.replace(build, dest)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write `path` through a temp file and a rename: a kill never leaves half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
+from train.atomic import write_text
 from train.base import BaseConfig, DeferredBase, load_base
 from train.checkpoint import heads_meta, save_heads
 from train.config import fail
@@ -239,4 +240,4 @@ def _export(out: Path, module: HeadsModule, meta: dict, summary: dict, cfg, step
         "validation": val,
     }
     save_heads(out / "heads", module.heads, {**meta, "training": training})
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text(out / "train_summary.json", json.dumps(summary, indent=2) + "\n")

@@ -39,6 +39,9 @@ def run(cfg) -> dict[str, Any]:
     wandb = typed.wandb
     rep = build_report(typed)
     print_leaderboard(rep.data)
+    for r in rep.data["runs"]:
+        for w in r.get("warnings", []):
+            print(f"warning: {w}")
     if wandb is not False:
         logged = log_report(rep, required=wandb is True)
         for name, where in logged.items():

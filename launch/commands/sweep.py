@@ -16,15 +16,20 @@ def run(cfg) -> dict[str, Any]:
 
     typed = to_typed(cfg, SweepConfig)
     state = run_sweep(typed)
-    if typed.dry_run or typed.launcher == "slurm":
+    if typed.dry_run or typed.backend == "slurm":
         return state
+    from rich.markup import escape
+
+    mine = [p for p in state["points"] if typed.only is None or p["train_point"] == typed.only]
     t = Table(title=f"sweep {typed.sweep.name}: {typed.out}")
     for col in ("point", "status", "seconds", "note"):
         t.add_column(col)
-    for p in state["points"]:
-        t.add_row(p["name"], p["status"], str(p.get("seconds", "")), p.get("error", ""))
+    for p in mine:
+        t.add_row(
+            escape(p["name"]), p["status"], str(p.get("seconds", "")), escape(p.get("error", ""))
+        )
     Console().print(t)
-    failed = [p["name"] for p in state["points"] if p["status"] != "done"]
+    failed = [p["name"] for p in mine if p["status"] != "done"]
     print(f"report: {typed.out}/report/report.md")
     if failed:
         raise SystemExit(f"error: {len(failed)} point(s) not done: {', '.join(failed)}")

@@ -67,13 +67,14 @@ def _record_wandb_run(summary: dict, logger: Any, out: str) -> None:
     import json
 
     from launch.wandb_runs import run_info
+    from train.atomic import write_text
 
     info = run_info(logger)
     if info is None:
         return
     summary["wandb_run"] = info
     path = Path(out).expanduser() / "train_summary.json"
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    write_text(path, json.dumps(summary, indent=2) + "\n")
 
 
 def run(cfg) -> dict:

@@ -137,3 +137,28 @@ def test_report_html_renders_in_a_browser(two_runs, tmp_path):
     assert page.images_rendered == 4, page.broken_images
     assert page.title == "hydra-heads acceptance report"
     assert shot.stat().st_size > 20_000
+
+
+def test_names_noise_nan_and_missing_training(tmp_path):
+    a = make_run(tmp_path / "x", "run", tau=1.5, speedup=1.0, top1=[0.3, 0.2], lr=1e-3)
+    b = make_run(tmp_path / "y", "run", tau=1.6, speedup=1.0, top1=[0.3, 0.2], lr=1e-3)
+    for d in (a, b):  # every real run logs under its own out dir: not a difference worth a row
+        cfg = d / "train" / "config.yaml"
+        cfg.write_text(cfg.read_text() + f"logger:\n  save_dir: {d}\n")
+    summary = a / "train" / "train_summary.json"
+    data = json.loads(summary.read_text())
+    data["validation"]["val/loss"] = float("nan")  # a diverged run
+    summary.write_text(json.dumps(data))
+    rep = build_report(
+        ReportConfig(runs=[str(a / "eval"), str(b), str(b)], out=str(tmp_path / "r"))
+    )
+    assert [r["name"] for r in rep.data["runs"]] == ["run", "run-2", "run-3"]  # eval/ -> its run
+    assert rep.data["config_diff"] == {}
+    assert rep.data["runs"][0]["val_loss"] is None
+    assert "NaN" not in (tmp_path / "r" / "report.json").read_text()
+    # an eval whose heads moved away keeps its eval figures and says what is missing
+    ev = json.loads((b / "eval" / "eval.json").read_text())
+    (b / "eval" / "eval.json").write_text(json.dumps({**ev, "heads": "/gone/heads"}))
+    rep = build_report(ReportConfig(runs=[str(b / "eval")], out=str(tmp_path / "s")))
+    assert rep.data["runs"][0]["tau"] == 1.6 and "train" not in rep.data["runs"][0]
+    assert "no training run found" in (tmp_path / "s" / "report.md").read_text()

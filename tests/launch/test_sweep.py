@@ -87,10 +87,23 @@ def test_sweep_refuses_a_changed_grid_and_bad_keys(tiny_prepared, tmp_path):
     r = run("sweep", *sweep_args(out, tiny_prepared), "dry_run=true")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "head-medusa [pending]" in r.stdout and "resume=auto" in r.stdout
+    assert not out.exists()  # a dry run writes nothing, so a corrected grid is still welcome
+    # a sweep that started (its sweep.json written) refuses another grid, naming what changed
+    from launch.app import to_typed
+    from launch.sweep import SweepConfig, _write_json, load_state
+    from tests.conftest import compose
+
+    cfg = to_typed(compose("sweep", sweep_args(out, tiny_prepared)), SweepConfig)
+    out.mkdir()
+    _write_json(out / "sweep.json", load_state(out, cfg.sweep))
     changed = [a if not a.startswith("sweep.grid") else "sweep.grid={head:[hydra_pp]}" for a in
                sweep_args(out, tiny_prepared)]  # fmt: skip
     r = run("sweep", *changed, "dry_run=true")
-    assert r.returncode == 2 and "belongs to a different sweep" in r.stderr
+    assert r.returncode == 2 and "belongs to a different sweep: sweep.grid changed" in r.stderr
+    r = run("sweep", *sweep_args(out, tiny_prepared), "dry_run=true", "sweep.sort_by=speedup")
+    assert r.returncode == 0  # the report's order is not the sweep's identity
+    r = run("sweep", *sweep_args(out, tiny_prepared), "sweep.sort_by=vibes")
+    assert r.returncode == 2 and "sweep.sort_by" in r.stderr
     r = run("sweep", f"out={tmp_path / 'x'}", "sweep.grid={head:[]}")
     assert r.returncode == 2 and "sweep.grid.head" in r.stderr
     # the command-line grid (hydra multirun style) replaces the file's; values keep brackets
@@ -98,7 +111,7 @@ def test_sweep_refuses_a_changed_grid_and_bad_keys(tiny_prepared, tmp_path):
             'grid=["head.num_layers=1,2","optim.betas=[0.9,0.99],[0.8,0.9]"]')  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("[pending]") == 4
-    assert "head.num_layers=2 optim.betas=[0.8,0.9]" in r.stdout
+    assert "head.num_layers=2 'optim.betas=[0.8,0.9]'" in r.stdout
     r = run("sweep", f"out={tmp_path / 'w'}", "dry_run=true", 'grid=["head"]')
     assert r.returncode == 2 and "a key, '=', comma-separated values" in r.stderr
     r = run(
@@ -108,3 +121,96 @@ def test_sweep_refuses_a_changed_grid_and_bad_keys(tiny_prepared, tmp_path):
         *sweep_args(tmp_path / "y", tiny_prepared)[1:],
     )
     assert r.returncode == 2 and "not a train point" in r.stderr
+
+
+def _slurm_up() -> bool:
+    import shutil
+
+    if not shutil.which("sbatch"):
+        return False
+    r = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    return "is UP" in r.stdout
+
+
+@pytest.mark.skipif(not _slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
+def test_sweep_points_as_slurm_jobs(tiny_prepared, tmp_path):
+    """backend=slurm: one job per train point; each job trains, evaluates, refreshes the report."""
+    out = tmp_path / "sweep"
+    slurm = ["backend=slurm", "slurm.gpus_per_node=0", "slurm.cpus_per_task=1",
+             "slurm.time=00:10:00"]  # fmt: skip
+    r = run("sweep", *sweep_args(out, tiny_prepared), *slurm)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count("submitted head-") == 2
+    deadline = time.time() + 400
+    while time.time() < deadline:
+        pts = _state(out).get("points", [])
+        if pts and all(p["status"] in ("done", "failed") for p in pts):
+            break
+        time.sleep(2)
+    logs = " ".join(p.read_text()[-1500:] for p in out.rglob("slurm-*.out"))
+    assert [p["status"] for p in _state(out)["points"]] == ["done", "done"], logs
+    assert set(_state(out)["jobs"]) == {"head-medusa", "head-hydra"}
+    rep = json.loads((out / "report" / "report.json").read_text())
+    assert len(rep["leaderboard"]) == 2
+    summary = json.loads((out / "points/head-hydra/train/train_summary.json").read_text())
+    assert summary["cluster"] == "SLURMEnvironment"
+    # submitting again while nothing is left to do submits nothing
+    r = run("sweep", *sweep_args(out, tiny_prepared), *slurm)
+    assert r.returncode == 0 and "submitted" not in r.stdout
+
+
+def test_slurm_point_script_and_grid_values(tiny_prepared, tmp_path, monkeypatch):
+    """backend=slurm renders, per train point, an sbatch script whose job runs this sweep for
+    that point with srun on the train step; grid values survive hydra's grammar."""
+    import shlex
+
+    from launch.sweep import SweepConfig, SweepSpec, plan_points, submit_points
+
+    spec = SweepSpec(
+        name="t",
+        grid={"head.draft_vocab_size": [None, 64], "eval.prompts": ["/d/a b.jsonl"]},
+        train=["base=tiny_random"],
+    )
+    pts = plan_points(spec)
+    assert [p["train_overrides"][0] for p in pts] == [
+        "head.draft_vocab_size=null",
+        "head.draft_vocab_size=64",
+    ]
+    assert pts[0]["train_overrides"][1] == "eval.prompts='/d/a b.jsonl'"
+    # overrides that slug alike still get their own dirs
+    alike = plan_points(SweepSpec(name="t", grid={"tree.paths": [[[0], [1]], [[0, 1]]]}))
+    assert len({p["dir"] for p in alike}) == 2
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        out = "" if cmd[0] == "squeue" else f"{100 + len(calls)}\n"
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["sweep.py", "out=X", "backend=slurm", "only=zz"])
+    out = tmp_path / "s"
+    out.mkdir()
+    cfg = SweepConfig(out=str(out), sweep=spec, backend="slurm", slurm={"gpus_per_node": 2,
+                      "tasks_per_node": 2, "partition": "gpu"})  # fmt: skip
+    state = {"spec": {}, "points": plan_points(spec)}
+    (out / "sweep.json").write_text(json.dumps(state))
+    st = submit_points(cfg, out, state)
+    assert len(st["jobs"]) == 2 and [c[0] for c in calls] == ["sbatch", "sbatch"]
+    script = (out / "points" / pts[0]["train_point"] / "sweep_point.sbatch").read_text()
+    assert "#SBATCH --gpus-per-node=2" in script and "#SBATCH --partition=gpu" in script
+    assert "#SBATCH --requeue" in script
+    job = shlex.split(script.strip().splitlines()[-1])
+    assert job[1:4] == ["-m", "launch", "sweep"] and "backend=slurm" not in job
+    assert "only=zz" not in job and f"only={pts[0]['train_point']}" in job
+    assert 'train_prefix=["srun", "--kill-on-bad-exit=1"]' in job
+    assert 'job_train_args=["trainer.num_nodes=1", "trainer.devices=2"]' in job
+    assert 'job_eval_args=["eval.device=cuda"]' in job
+    # the job's own command line composes into the point's config
+    from launch.app import to_typed
+    from tests.conftest import compose
+
+    job_cfg = to_typed(compose("sweep", [a for a in job[4:] if not a.startswith("out=")] +
+                               [f"out={out}"]), SweepConfig)  # fmt: skip
+    assert job_cfg.backend == "local" and job_cfg.train_prefix[0] == "srun"
