@@ -8,12 +8,14 @@ import html
 import json
 import math
 import platform
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 PLOTS = {
+    "tau_by_run": "τ per run: measured in decoding vs the training-time estimate",
     "acceptance_by_depth": "Acceptance by depth (cumulative: share of steps that accept depth d)",
     "tau_vs_tree_size": "τ vs tree size (lines: expected from calibration; dots: measured)",
     "loss_curves": "Training loss",
@@ -330,7 +332,21 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
             ax.xaxis.get_major_locator().set_params(integer=True)
         axes[0].legend(fontsize=8)
         save(fig, "acceptance_by_depth")
-    if any(r.get("tau") is not None for r in runs):
+    taus = [r for r in runs if r.get("tau") is not None or r.get("tau_est") is not None]
+    if taus:
+        fig, ax = plt.subplots(figsize=(6.5, 0.9 + 0.45 * len(taus)))
+        y = list(range(len(taus)))
+        meas = [r.get("tau") or 0.0 for r in taus]
+        est = [r.get("tau_est") or 0.0 for r in taus]
+        ax.barh([i + 0.2 for i in y], meas, 0.4, label="measured τ (eval)")
+        ax.barh([i - 0.2 for i in y], est, 0.4, label="τ estimate (training)")
+        ax.set_yticks(y, [r["name"] for r in taus])
+        ax.invert_yaxis()
+        ax.set(xlabel="τ (tokens per base forward)", xlim=(0, max(meas + est + [1.0]) * 1.15))
+        ax.grid(alpha=0.3, axis="x")
+        ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
+        save(fig, "tau_by_run")
+    if any(r.get("eval", {}).get("auto") for r in runs):
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
         for r in runs:
             ev = r.get("eval", {})
@@ -391,6 +407,12 @@ def _fmt(v: Any, nd: int = 3) -> str:
     if isinstance(v, float):
         return f"{v:.{nd}f}"
     return str(v)
+
+
+def _cfg_value(v: Any) -> str:
+    if v is None:
+        return "–"
+    return str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -517,7 +539,7 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             (
                 "Config differences between runs",
                 ["key"] + [r["name"] for r in runs],
-                [[k] + [_fmt(v) for v in vals] for k, vals in diff.items()],
+                [[k] + [_cfg_value(v) for v in vals] for k, vals in diff.items()],
             )
         )
     return out
@@ -553,8 +575,17 @@ def _markdown(report: dict) -> str:
 CSS = """body{font:14px/1.45 system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
 color:#222}table{border-collapse:collapse;margin:.5em 0 1.5em;font-variant-numeric:tabular-nums}
 th,td{border:1px solid #ccc;padding:.25em .6em;text-align:right}th{background:#f3f3f3}
-td:first-child,th:first-child{text-align:left}img.plot{max-width:100%;border:1px solid #eee}
+td:first-child,th:first-child,td.t{text-align:left}img.plot{max-width:100%;border:1px solid #eee}
 .note{color:#555;max-width:80ch}"""
+
+
+_NUMERIC = re.compile(r"^[-–+]?[\d.,/ x%]*$")
+
+
+def _td(cell: str) -> str:
+    """Numbers right-aligned (columns of figures line up), text left-aligned."""
+    cls = "" if _NUMERIC.match(cell) else " class='t'"
+    return f"<td{cls}>{html.escape(cell)}</td>"
 
 
 def _html(report: dict, out: Path) -> str:
@@ -570,7 +601,7 @@ def _html(report: dict, out: Path) -> str:
         parts += [f"<th>{e(h)}</th>" for h in header]
         parts.append("</tr>")
         for row in rows:
-            parts.append("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>")
+            parts.append("<tr>" + "".join(_td(c) for c in row) + "</tr>")
         parts.append("</table>")
         if title.startswith("Leaderboard"):
             parts.append(f"<p class='note'>{e(GAP_NOTE)}</p>")

@@ -85,6 +85,7 @@ def test_report_figures_order_and_diff(two_runs, tmp_path):
     names = {f.name for f in rep.files}
     assert {"report.json", "report.md", "report.html", "acceptance_by_depth.png"} <= names
     assert {"tau_vs_tree_size.png", "loss_curves.png", "accepted_histogram.png"} <= names
+    assert "tau_by_run.png" in names
     md = (tmp_path / "r" / "report.md").read_text()
     assert "| 1 | fast | hydra_pp | 2 | 1.900 | 1.10x | 1.500 | 0.400 |" in md
     assert "![loss_curves](loss_curves.png)" in md and "| optim.lr |" in md
@@ -133,8 +134,8 @@ def test_report_html_renders_in_a_browser(two_runs, tmp_path):
     page = check_page(tmp_path / "r" / "report.html", screenshot=shot)
     assert page.errors == []
     assert page.external_requests == []  # self-contained: opens offline
-    assert page.images_total == len(rep.data["plots"]) == 4
-    assert page.images_rendered == 4, page.broken_images
+    assert page.images_total == len(rep.data["plots"]) == 5
+    assert page.images_rendered == 5, page.broken_images
     assert page.title == "hydra-heads acceptance report"
     assert shot.stat().st_size > 20_000
 
