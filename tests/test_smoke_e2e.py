@@ -96,3 +96,13 @@ def test_prep_then_train_hydra_pp_on_smollm2(tmp_path):
     assert res["lossless"] is True and res["prompts"]["items"] == 2
     assert res["tree"]["num_nodes"] == 63 and res["tau"] >= 1.0
     assert all(rec["new_tokens"] > 0 for rec in res["records"])
+    # report: the figures of this run, in md / html / json, with its plots
+    rep = tmp_path / "report"
+    r = run("report", f"runs=[{tmp_path}]", f"out={rep}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((rep / "report.json").read_text())
+    (row,) = data["leaderboard"]
+    assert row["tau"] == res["tau"] and row["arch"] == "hydra_pp" and row["steps"] == 3
+    assert row["tau_est"] == meta["training"]["validation"]["val/tau_est"]
+    assert {"acceptance_by_depth", "loss_curves", "tau_by_run"} <= set(data["plots"])
+    assert "| 1 | " in (rep / "report.md").read_text()
