@@ -142,9 +142,10 @@ def test_sweep_points_as_slurm_jobs(tiny_prepared, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.count("submitted head-") == 2
     deadline = time.time() + 400
-    while time.time() < deadline:
-        pts = _state(out).get("points", [])
-        if pts and all(p["status"] in ("done", "failed") for p in pts):
+    while time.time() < deadline:  # until both jobs have left the queue (report written too)
+        jobs = set(_state(out).get("jobs", {}).values())
+        queued = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True)
+        if jobs and not jobs & set(queued.stdout.split()):
             break
         time.sleep(2)
     logs = " ".join(p.read_text()[-1500:] for p in out.rglob("slurm-*.out"))
@@ -152,8 +153,10 @@ def test_sweep_points_as_slurm_jobs(tiny_prepared, tmp_path):
     assert set(_state(out)["jobs"]) == {"head-medusa", "head-hydra"}
     rep = json.loads((out / "report" / "report.json").read_text())
     assert len(rep["leaderboard"]) == 2
-    summary = json.loads((out / "points/head-hydra/train/train_summary.json").read_text())
-    assert summary["cluster"] == "SLURMEnvironment"
+    # the job ran this point's training as a job step (srun) and its eval after it
+    log = (out / "logs" / "head-hydra.log").read_text()
+    assert "$ srun --kill-on-bad-exit=1 " in log and " -m launch eval " in log
+    assert list((out / "points" / "head-hydra").glob("slurm-*.out"))
     # submitting again while nothing is left to do submits nothing
     r = run("sweep", *sweep_args(out, tiny_prepared), *slurm)
     assert r.returncode == 0 and "submitted" not in r.stdout
