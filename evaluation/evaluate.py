@@ -271,8 +271,12 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
         if tc.kind == "calibrated":
             tree = Tree.from_paths(grow(calib.acc, tc.budget), heads.num_heads)
         else:
+            # Timed on the longest prompt: a speculative step's KV upkeep and tree attention
+            # grow with the context faster than a plain step does, so a short prompt would
+            # promise a speedup that longer prompts do not deliver.
+            longest = max((item_prompt(it) for it in items), key=len)
             best, options = choose_tree(
-                decoder, calib, item_prompt(items[0]), tc.budget, min_speedup=tc.min_speedup
+                decoder, calib, longest, tc.budget, min_speedup=tc.min_speedup
             )
             tree = best.tree
             tree_info["auto"] = [
