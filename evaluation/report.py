@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from train.atomic import write_text
+
 PLOTS = {
     "tau_by_run": "τ per run: measured in decoding vs the training-time estimate",
     "acceptance_by_depth": "Acceptance by depth (cumulative: share of steps that accept depth d)",
@@ -415,6 +417,11 @@ def _cfg_value(v: Any) -> str:
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
+def _slashed(series: list[list], i: int) -> str:
+    """Entry i of each series, as "a / b / c" ("–" where a series is shorter)."""
+    return " / ".join(_fmt(x[i] if i < len(x) else None) for x in series)
+
+
 def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of every table, shared by the markdown and the HTML."""
     runs = report["runs"]
@@ -463,15 +470,8 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows = []
         for r in runs:
             ev = r.get("eval", {})
-            cum, cond = ev.get("acceptance_cumulative", []), ev.get("acceptance_conditional", [])
-            rows.append(
-                [r["name"]]
-                + [
-                    f"{_fmt(cum[d] if d < len(cum) else None)} / "
-                    f"{_fmt(cond[d] if d < len(cond) else None)}"
-                    for d in range(depth)
-                ]
-            )
+            cols = [ev.get("acceptance_cumulative", []), ev.get("acceptance_conditional", [])]
+            rows.append([r["name"]] + [_slashed(cols, d) for d in range(depth)])
         out.append(
             (
                 "Acceptance by depth (cumulative / conditional)",
@@ -484,17 +484,8 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows = []
         for r in runs:
             tr = r.get("train", {})
-            t1, t5 = tr.get("top1", []), tr.get("top5", [])
-            b1 = tr.get("top1_base", [])
-            rows.append(
-                [r["name"]]
-                + [
-                    f"{_fmt(t1[k] if k < len(t1) else None)} / "
-                    f"{_fmt(t5[k] if k < len(t5) else None)} / "
-                    f"{_fmt(b1[k] if k < len(b1) else None)}"
-                    for k in range(K)
-                ]
-            )
+            cols = [tr.get("top1", []), tr.get("top5", []), tr.get("top1_base", [])]
+            rows.append([r["name"]] + [_slashed(cols, k) for k in range(K)])
         out.append(
             (
                 "Per-head validation accuracy (top-1 / top-5 vs data; top-1 vs base)",
@@ -661,9 +652,7 @@ def build_report(cfg: ReportConfig) -> Report:
         ("report.md", _markdown(data) + "\n"),
         ("report.html", _html(data, out) + "\n"),
     ):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(out / name)  # a killed report never leaves a half-written file
+        write_text(out / name, text)  # a killed report never leaves a half-written file
         files.append(out / name)
     files += [out / f for f in plots.values()]
     return Report(data, files)

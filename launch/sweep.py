@@ -253,9 +253,9 @@ def _point_lock(path: Path):
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    from train.atomic import write_text
+
+    write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def load_state(out: Path, spec: SweepSpec) -> dict[str, Any]:

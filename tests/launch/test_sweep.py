@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch.test_cli import run
+from tests.launch.test_launch import _slurm_up
 
 pytestmark = pytest.mark.slow
 
@@ -121,15 +122,6 @@ def test_sweep_refuses_a_changed_grid_and_bad_keys(tiny_prepared, tmp_path):
         *sweep_args(tmp_path / "y", tiny_prepared)[1:],
     )
     assert r.returncode == 2 and "not a train point" in r.stderr
-
-
-def _slurm_up() -> bool:
-    import shutil
-
-    if not shutil.which("sbatch"):
-        return False
-    r = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
-    return "is UP" in r.stdout
 
 
 @pytest.mark.skipif(not _slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
