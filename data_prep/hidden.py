@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from train.base import BaseConfig, load_base
+from train.core.base import BaseConfig, load_base
 
 
 def _hidden_feature(hidden_size: int):

@@ -27,7 +27,8 @@ from data_prep.normalize import (
 )
 from data_prep.readers import DataError, SkipLog, iter_records
 from data_prep.template import TemplateError, chunk, encode_batch
-from train.atomic import publish_dir
+from train.core.atomic import publish_dir
+from train.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ SPLITS = ("train", "validation")
 SHARD_BYTES = 256 << 20
 
 
-class PrepError(RuntimeError):
+class PrepError(UserError, RuntimeError):
     """prep cannot run (bad output dir, unusable tokenizer, nothing left to train on)."""
 
 
@@ -252,7 +253,7 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     import datasets
     from datasets import Dataset, DatasetDict
 
-    from train.base import load_tokenizer
+    from train.core.base import load_tokenizer
 
     t_start = time.perf_counter()
     timing: dict[str, float] = {}
@@ -283,7 +284,7 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     partial.mkdir(parents=True, exist_ok=True)
     if cfg.regenerate:
         from data_prep.regenerate import regenerate
-        from train.base import load_base
+        from train.core.base import load_base
 
         t0 = time.perf_counter()
         base = load_base(cfg.base, device=_regen_device(cfg.regen.device))

@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from train.core.errors import UserError
+
 log = logging.getLogger(__name__)
 
 MAX_EXAMPLES = 3  # first few examples of each skip reason that are logged and kept in the stats
 
 
-class DataError(RuntimeError):
+class DataError(UserError, RuntimeError):
     """Input data cannot be read at all (missing file, unreadable dataset)."""
 
 

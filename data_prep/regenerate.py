@@ -5,14 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from data_prep.config import RegenConfig
+from train.core.atomic import write_json, write_text
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +25,7 @@ def _manifest(rows: list[dict], cfg: RegenConfig, base_name: str, seed: int) -> 
         "keys_sha256": h.hexdigest(),
         "base": base_name,
         "seed": seed,
-        "regen": asdict(cfg),
+        "regen": cfg.to_dict(),
     }
 
 
@@ -144,7 +143,7 @@ def regenerate(
         log.warning("regeneration inputs changed since the last run; discarding %s", workdir)
         shutil.rmtree(workdir)
         workdir.mkdir(parents=True)
-    mpath.write_text(json.dumps(manifest, indent=2))
+    write_json(mpath, manifest)
     n_shards = (len(rows) + cfg.shard_size - 1) // cfg.shard_size
     done = sum((workdir / f"shard-{s:05d}.jsonl").exists() for s in range(n_shards))
     if done:
@@ -155,11 +154,7 @@ def regenerate(
         if not path.exists():
             torch.manual_seed(seed * 1_000_003 + s)  # per-shard seed: resume == uninterrupted
             shard = _regen_shard(rows[s * cfg.shard_size : (s + 1) * cfg.shard_size], base, cfg)
-            tmp = path.with_suffix(f".tmp-{os.getpid()}")
-            with open(tmp, "w", encoding="utf-8") as f:
-                for r in shard:
-                    f.write(json.dumps(r, ensure_ascii=False) + "\n")
-            os.replace(tmp, path)
+            write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in shard))
         with open(path, encoding="utf-8") as f:
             result.extend(json.loads(line) for line in f)
     kept = []

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from train.core.errors import UserError
 
-class TemplateError(ValueError):
+
+class TemplateError(UserError, ValueError):
     """The chat template cannot be used to locate turns (e.g. it rewrites earlier turns)."""
 
 

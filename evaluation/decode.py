@@ -52,11 +52,14 @@ class Generation:
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 0.0
-    acceptance: str = "greedy"  # greedy | typical | rejection (temperature > 0 for the last two)
-    posterior_threshold: float = 0.09  # typical acceptance (Medusa's defaults)
-    posterior_alpha: float = 0.3
-    seed: int = 0
+    """How tokens are chosen: greedy at temperature 0; above it lossless rejection sampling, or
+    Medusa's typical acceptance with its posterior threshold and alpha (eval.yaml holds them)."""
+
+    temperature: float
+    acceptance: str  # greedy | typical | rejection (temperature > 0 for the last two)
+    seed: int
+    posterior_threshold: float | None = None  # typical acceptance only
+    posterior_alpha: float | None = None
 
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE:
@@ -70,6 +73,11 @@ class SamplingConfig:
                 f"acceptance={self.acceptance!r} with temperature={self.temperature}: greedy "
                 "acceptance is for temperature 0, typical and rejection for temperature > 0"
             )
+        if self.acceptance == "typical" and None in (
+            self.posterior_threshold,
+            self.posterior_alpha,
+        ):
+            raise ValueError("typical acceptance needs posterior_threshold and posterior_alpha")
 
     @property
     def typical(self) -> tuple[float, float] | None:
@@ -113,7 +121,7 @@ class Decoder:
         self.model = model.eval()
         self.eos = set(eos)
         self.heads = heads.eval() if heads is not None else None
-        self.sampling = sampling or SamplingConfig()
+        self.sampling = sampling or SamplingConfig(temperature=0.0, acceptance="greedy", seed=0)
         self.offset = hidden_state_offset
         self.embed = model.get_input_embeddings()
         self.device = next(model.parameters()).device

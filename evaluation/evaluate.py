@@ -6,19 +6,18 @@ same run -> acceptance figures, speedup, lossless check -> <out>/eval.json (+ tr
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from data_prep.readers import SkipLog
 from evaluation.calibrate import Calibration, calibrate, choose_tree
+from evaluation.config import EvalConfig, TreeConfig
 from evaluation.decode import Decoder, Generation, SamplingConfig, eos_ids
 from evaluation.prompts import (
     PromptItem,
@@ -26,99 +25,18 @@ from evaluation.prompts import (
     jsonl_prompts,
     prepared_rows,
 )
-from evaluation.tree import PRESETS, Tree, TreeError, branching, chain, grow
-from train.base import BaseConfig, load_base
-from train.checkpoint import load_heads, read_meta
-from train.config import ConfigError, fail, from_mapping
+from evaluation.tree import PRESETS, Tree, branching, chain, grow
+from train.core.atomic import write_json, write_text
+from train.core.base import BaseConfig, load_base, recorded_base
+from train.core.checkpoint import read_meta
+from train.core.errors import ConfigError, UserError
+from train.heads import load_heads
 
 log = logging.getLogger(__name__)
 
 
-class LosslessError(RuntimeError):
+class LosslessError(UserError, RuntimeError):
     """Greedy speculative decoding produced other tokens than plain greedy decoding."""
-
-
-@dataclass
-class TreeConfig:
-    """Which candidate tree to verify (`conf/tree/*.yaml`)."""
-
-    kind: Literal["preset", "branching", "paths", "file", "calibrated", "auto"] = "auto"
-    name: str | None = None  # preset: chain (as deep as the heads), mc_sim_7b_63, sparse_15...
-    branching: list[int] | None = None  # e.g. [3, 2, 2] -> 3 + 6 + 12 nodes
-    paths: list[list[int]] | None = None  # explicit Medusa-format paths
-    path: str | None = None  # a tree.json written by an earlier eval
-    budget: int = 64  # calibrated / auto: at most this many draft nodes
-    topk: int = 10  # calibrated / auto: ranks per head measured
-    calibration_rows: int = 32  # held-out prepared rows measured
-    calibration_length: int = 512  # tokens per row
-    min_speedup: float = 1.05  # auto: speculate only if a tree is expected to beat plain by this
-
-    def __post_init__(self) -> None:
-        need = {"preset": "name", "branching": "branching", "paths": "paths", "file": "path"}
-        if self.kind in need and getattr(self, need[self.kind]) is None:
-            key = need[self.kind]
-            fail(f"{key}", None, f"tree.kind={self.kind} needs tree.{key}")
-        if self.kind == "preset" and self.name != "chain" and self.name not in PRESETS:
-            fail("name", self.name, f"one of chain, {', '.join(PRESETS)}")
-        if self.min_speedup < 1:
-            fail("min_speedup", self.min_speedup, "a ratio >= 1")
-        for key in ("budget", "topk", "calibration_rows", "calibration_length"):
-            if getattr(self, key) < 1:
-                fail(key, getattr(self, key), "a positive integer")
-
-
-@dataclass
-class EvalSettings:
-    """The `eval:` block of conf/eval.yaml."""
-
-    prompts: str | None = None  # jsonl of {"prompt": ...} or chats; default: held-out prep rows
-    prepared: str | None = None  # prep output for held-out prompts (default: the heads' own)
-    num_prompts: int = 8
-    max_prompt_tokens: int = 1024  # longer held-out prompts are skipped
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    acceptance: Literal["greedy", "typical", "rejection"] | None = None  # default by temperature
-    posterior_threshold: float = 0.09  # typical acceptance
-    posterior_alpha: float = 0.3
-    check_lossless: bool | None = None  # default: true for greedy
-    compare_plain: bool = True  # also decode plainly, for the speedup
-    seed: int = 0
-    device: str = "cpu"
-    threads: int | None = None  # torch CPU threads (null: torch's default)
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        if self.num_prompts < 1:
-            fail("num_prompts", self.num_prompts, "a positive integer")
-        if self.max_new_tokens < 1:
-            fail("max_new_tokens", self.max_new_tokens, "a positive integer")
-        if self.temperature < 0:
-            fail("temperature", self.temperature, "a number >= 0")
-        if self.acceptance is None:
-            self.acceptance = "greedy" if self.temperature == 0 else "rejection"
-        if (self.temperature == 0) != (self.acceptance == "greedy"):
-            fail(
-                "acceptance",
-                self.acceptance,
-                "greedy at temperature 0; typical or rejection at temperature > 0",
-            )
-        if self.check_lossless is None:
-            self.check_lossless = self.acceptance == "greedy" and self.compare_plain
-        if self.check_lossless and self.acceptance != "greedy":
-            fail("check_lossless", True, "only greedy decoding is token-for-token comparable")
-        if self.check_lossless and not self.compare_plain:
-            fail("check_lossless", True, "it needs compare_plain=true")
-
-
-@dataclass
-class EvalConfig:
-    heads: str  # a heads checkpoint dir (<train out>/heads)
-    out: str
-    tree: TreeConfig = field(default_factory=TreeConfig)
-    eval: EvalSettings = field(default_factory=EvalSettings)
-    base: BaseConfig | None = None  # default: the base recorded in the heads' config
-    # auto: the CLI logs the figures into the wandb run that trained the heads, if there is one
-    wandb: bool | Literal["auto"] = "auto"
 
 
 # -- setup -----------------------------------------------------------------------------------
@@ -130,7 +48,7 @@ def base_config(cfg: EvalConfig, meta: dict) -> BaseConfig:
         raise ConfigError(
             f"{cfg.heads} does not record its base model; pass base=NAME (e.g. base=smollm2_135m)"
         )
-    return from_mapping(BaseConfig, recorded, prefix="base")
+    return recorded_base(recorded)
 
 
 def fixed_tree(tc: TreeConfig, num_heads: int) -> Tree | None:
@@ -191,12 +109,6 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     )
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    tmp.replace(path)
-
-
 # -- the run ---------------------------------------------------------------------------------
 def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
     ev, tc = cfg.eval, cfg.tree
@@ -205,14 +117,14 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if config_yaml is not None:
-        (out / "config.yaml").write_text(config_yaml)
+        write_text(out / "config.yaml", config_yaml)
     t_setup = time.perf_counter()
     meta = read_meta(cfg.heads)
     base = load_base(base_config(cfg, meta), ev.device)
     heads, meta = load_heads(cfg.heads, base.fingerprint(), ev.device)
     tree = fixed_tree(tc, heads.num_heads)  # fails on a bad tree before any decoding
     sampling = SamplingConfig(
-        ev.temperature, ev.acceptance, ev.posterior_threshold, ev.posterior_alpha, ev.seed
+        ev.temperature, ev.acceptance, ev.seed, ev.posterior_threshold, ev.posterior_alpha
     )
     decoder = Decoder(
         base.model,
@@ -383,7 +295,7 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
             "records": records,
         }
     )
-    _write_json(out / "eval.json", result)
+    write_json(out / "eval.json", result)
     if mismatches:
         raise LosslessError(
             f"greedy speculative decoding differs from plain greedy decoding on "
@@ -432,4 +344,4 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="eval prompts", unit="prompt", disable=not enabled)
 
 
-__all__ = ["EvalConfig", "EvalSettings", "LosslessError", "TreeConfig", "TreeError", "run_eval"]
+__all__ = ["LosslessError", "run_eval"]

@@ -9,6 +9,7 @@ from typing import Any
 
 from data_prep.normalize import DEFAULT_ROLE_MAP
 from data_prep.readers import DataError, SkipLog, iter_jsonl
+from train.core.errors import NotFound
 
 
 @dataclass
@@ -67,7 +68,7 @@ def parse_prompt_row(record: Any) -> tuple[str | None, list[str]]:
 def jsonl_prompts(path: str | Path, limit: int | None, skips: SkipLog) -> list[PromptItem]:
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(
+        raise NotFound(
             f"eval.prompts={p} does not exist: give a .jsonl file with one "
             '{"prompt": "..."} or chat conversation per line'
         )
@@ -102,7 +103,7 @@ def prepared_rows(path: str | Path, split: str = "validation"):
 
     p = Path(path)
     if not (p / "dataset_dict.json").is_file():
-        raise FileNotFoundError(
+        raise NotFound(
             f"{p} is not a `hydra-heads prep` output (no dataset_dict.json); pass "
             "eval.prepared=DIR or eval.prompts=FILE.jsonl"
         )

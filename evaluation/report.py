@@ -12,9 +12,11 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from train.atomic import write_text
+from evaluation.config import ReportConfig
+from train.core.atomic import write_text
+from train.core.errors import UserError
 
 PLOTS = {
     "tau_by_run": "τ per run: measured in decoding vs the training-time estimate",
@@ -23,39 +25,12 @@ PLOTS = {
     "loss_curves": "Training loss",
     "accepted_histogram": "Accepted draft tokens per step",
 }
-SORT_KEYS = ("tau", "speedup", "tau_est", "val_loss", "name")
 # Keys that differ between any two runs by construction: not worth a row in the config diff.
 DIFF_IGNORE = ("out", "heads", "eval.out", "eval.heads")
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """The report's inputs are missing or unreadable; the message names the path and the fix."""
-
-
-@dataclass
-class ReportConfig:
-    """What `hydra-heads report` reads and writes (`conf/report.yaml`)."""
-
-    runs: list[str]
-    out: str
-    title: str = "hydra-heads acceptance report"
-    sort_by: str = "tau"
-    names: list[str] | None = None  # display names, one per run (default: from the dirs)
-    plots: bool = True
-    # auto: the CLI logs tables and plots into each run's own wandb run, if it had one
-    wandb: bool | Literal["auto"] = "auto"
-
-    def __post_init__(self) -> None:
-        from train.config import fail
-
-        if isinstance(self.runs, str):
-            self.runs = [self.runs]
-        if not self.runs:
-            fail("runs", self.runs, "one or more train / eval / sweep dirs, e.g. runs=[DIR,DIR]")
-        if self.sort_by not in SORT_KEYS:
-            fail("sort_by", self.sort_by, f"one of {', '.join(SORT_KEYS)}")
-        if self.names is not None and len(self.names) != len(self.runs):
-            fail("names", self.names, f"one name per run ({len(self.runs)})")
 
 
 # -- reading runs -------------------------------------------------------------------------

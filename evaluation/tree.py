@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from train.core.errors import NotFound, UserError
+
 # Medusa's sparse 63-node tree for 4 heads, tuned on Vicuna-7B (FasterDecoding/Medusa,
 # medusa/model/medusa_choices.py `mc_sim_7b_63`; Hydra's code uses it too). Data, in its order.
 MC_SIM_7B_63 = [
@@ -29,7 +31,7 @@ MC_SIM_7B_63 = [
 ]  # fmt: skip
 
 
-class TreeError(ValueError):
+class TreeError(UserError, ValueError):
     """A tree that cannot be used: malformed paths, or deeper than the heads can propose."""
 
 
@@ -161,7 +163,7 @@ class Tree:
     def load(cls, path: str | Path, max_depth: int | None = None) -> Tree:
         p = Path(path)
         if not p.is_file():
-            raise FileNotFoundError(f"tree file {p} does not exist (written by eval as tree.json)")
+            raise NotFound(f"tree file {p} does not exist (written by eval as tree.json)")
         try:
             data = json.loads(p.read_text())
         except json.JSONDecodeError as e:

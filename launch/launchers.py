@@ -5,80 +5,9 @@ from __future__ import annotations
 
 import shlex
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
-from train.config import fail
-
-
-@dataclass
-class SlurmLauncher:
-    """`launcher=slurm`: one sbatch job, one task per device, Lightning's SLURM integration."""
-
-    name: Literal["slurm"] = "slurm"
-    nodes: int = 1
-    tasks_per_node: int = 8  # = devices per node: Lightning expects one task per GPU
-    gpus_per_node: int = 8  # 0 for a CPU job
-    cpus_per_task: int = 8
-    mem: str | None = None  # e.g. "0" (all of the node) or "480G"; null: the cluster default
-    time: str = "24:00:00"
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    job_name: str = "hydra-heads"
-    setup: list[str] = field(default_factory=list)  # shell lines before srun (modules, venv)
-    sbatch_args: list[str] = field(default_factory=list)  # more options, e.g. "--exclusive"
-    requeue: bool = True  # on pre-emption / time limit: checkpoint, requeue, resume
-    signal_seconds: int = 120  # SIGUSR1 this long before the limit: Lightning saves + requeues
-    script: str | None = None  # where the sbatch script goes (default <out>/launch.sbatch)
-    wait: bool = False  # block until the job ends (sbatch --wait); exit with its status
-
-    def __post_init__(self) -> None:
-        for key in ("nodes", "tasks_per_node", "cpus_per_task"):
-            if getattr(self, key) < 1:
-                fail(key, getattr(self, key), "a positive integer")
-        if self.gpus_per_node < 0:
-            fail("gpus_per_node", self.gpus_per_node, "an integer >= 0 (0: a CPU job)")
-        if self.signal_seconds < 0:
-            fail("signal_seconds", self.signal_seconds, "seconds >= 0")
-
-
-@dataclass
-class TorchrunLauncher:
-    """`launcher=torchrun`: one torchrun per node, c10d rendezvous at `rdzv_endpoint`."""
-
-    name: Literal["torchrun"] = "torchrun"
-    nnodes: int = 1
-    nproc_per_node: int = 8
-    node_rank: int | None = None  # run this node's command; null with dry_run: print all
-    rdzv_endpoint: str = "localhost:29500"
-    rdzv_id: str = "hydra-heads"
-
-    def __post_init__(self) -> None:
-        if self.nnodes < 1 or self.nproc_per_node < 1:
-            fail("nnodes", (self.nnodes, self.nproc_per_node), "positive integers")
-        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
-            fail("node_rank", self.node_rank, f"an integer in [0, {self.nnodes})")
-
-
-@dataclass
-class DeepSpeedLauncher:
-    """`launcher=deepspeed`: DeepSpeed's own launcher over the hosts of a hostfile (pdsh)."""
-
-    name: Literal["deepspeed"] = "deepspeed"
-    hostfile: str = "hostfile"  # lines "host slots=8"
-    num_nodes: int = 1
-    num_gpus: int = 8
-    master_addr: str | None = None
-    master_port: int = 29500
-
-    def __post_init__(self) -> None:
-        if self.num_nodes < 1 or self.num_gpus < 1:
-            fail("num_nodes", (self.num_nodes, self.num_gpus), "positive integers")
-
-
-LAUNCHERS = {"slurm": SlurmLauncher, "torchrun": TorchrunLauncher, "deepspeed": DeepSpeedLauncher}
+from launch.config import DeepSpeedLauncher, SlurmLauncher, TorchrunLauncher
 
 
 def train_overrides(task_overrides: list[str]) -> list[str]:

@@ -30,84 +30,15 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from train.config import ConfigError, fail
+from launch.config import IDENTITY, SweepConfig, SweepSpec
+from train.core.atomic import write_json
+from train.core.config import fail
+from train.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SweepSpec:
-    """One sweep (`conf/sweep/*.yaml`): grids of overrides and the overrides every point shares."""
-
-    name: str
-    grid: dict[str, list[Any]] = field(default_factory=dict)  # train overrides, crossed
-    eval_grid: dict[str, list[Any]] = field(default_factory=dict)  # eval overrides, crossed
-    train: list[str] = field(default_factory=list)  # shared by every train point
-    eval: list[str] = field(default_factory=list)  # shared by every eval point
-    sort_by: str = "tau"
-
-    def __post_init__(self) -> None:
-        from evaluation.report import SORT_KEYS
-
-        for key, grid in (("sweep.grid", self.grid), ("sweep.eval_grid", self.eval_grid)):
-            for k, vals in grid.items():
-                if not isinstance(vals, list) or not vals:
-                    fail(f"{key}.{k}", vals, "a non-empty list of values")
-        if not self.grid and not self.eval_grid:
-            fail("sweep.grid", self.grid, "at least one key with a list of values")
-        for o in [*self.train, *self.eval]:
-            if "=" not in o:
-                fail("sweep.train / sweep.eval", o, "overrides of the form key=value")
-        for o in self.train:
-            if o.split("=", 1)[0].lstrip("+~") in ("out", "resume"):
-                fail("sweep.train", o, "no out= or resume= (the sweep sets them per point)")
-        if self.sort_by not in SORT_KEYS:
-            fail("sweep.sort_by", self.sort_by, f"one of {', '.join(SORT_KEYS)}")
-
-
-# What makes a sweep the same sweep on resume (sort_by may change freely).
-IDENTITY = ("grid", "eval_grid", "train", "eval")
-
-
-@dataclass
-class SweepConfig:
-    """`hydra-heads sweep` (`conf/sweep.yaml`)."""
-
-    out: str
-    sweep: SweepSpec
-    # Appended to every point's train / eval command; not part of the sweep's identity, so a
-    # resumed sweep may point at data that moved (e.g. data.prepared=DIR).
-    train_args: list[str] = field(default_factory=list)
-    eval_args: list[str] = field(default_factory=list)
-    # Command-line grids in hydra's multirun style, replacing the sweep file's grids:
-    #   'grid=["head=medusa,hydra","head.num_layers=1,2"]' 'eval_grid=["tree=chain,sparse_15"]'
-    grid: list[str] | None = None
-    eval_grid: list[str] | None = None
-    backend: Literal["local", "slurm"] = "local"
-    only: str | None = None  # run this train point only (what a SLURM point job runs)
-    max_failures: int | None = None  # stop after this many failed points (default: never)
-    report: bool = True
-    dry_run: bool = False  # list the points and their commands, run nothing, write nothing
-    slurm: dict[str, Any] = field(default_factory=dict)  # launch.launchers.SlurmLauncher keys
-    # Set by backend=slurm in each point job's command line: the train step's command prefix
-    # (srun) and the overrides that size it to the allocation.
-    train_prefix: list[str] = field(default_factory=list)
-    job_train_args: list[str] = field(default_factory=list)
-    job_eval_args: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.max_failures is not None and self.max_failures < 1:
-            fail("max_failures", self.max_failures, "an integer >= 1, or null")
-        if self.grid is not None:
-            self.sweep.grid = parse_grid("grid", self.grid)
-        if self.eval_grid is not None:
-            self.sweep.eval_grid = parse_grid("eval_grid", self.eval_grid)
-        if self.grid is not None or self.eval_grid is not None:
-            self.sweep.__post_init__()
 
 
 def _split_values(text: str) -> list[str]:
@@ -252,16 +183,10 @@ def _point_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _write_json(path: Path, data: dict) -> None:
-    from train.atomic import write_text
-
-    write_text(path, json.dumps(data, indent=2) + "\n")
-
-
 def load_state(out: Path, spec: SweepSpec) -> dict[str, Any]:
     """sweep.json (or a fresh plan); a resumed sweep must be the same grid."""
     path = out / "sweep.json"
-    fresh = {"spec": asdict(spec), "points": plan_points(spec)}
+    fresh = {"spec": spec.to_dict(), "points": plan_points(spec)}
     if not path.is_file():
         return fresh
     state = json.loads(path.read_text())
@@ -285,7 +210,7 @@ def _update_point(out: Path, name: str, **changes: Any) -> None:
                 if changes.get("status") == "done":
                     pt.pop("error", None)
                     pt.pop("stage", None)
-        _write_json(out / "sweep.json", state)
+        write_json(out / "sweep.json", state)
 
 
 def _cli(*args: str) -> list[str]:
@@ -336,7 +261,7 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         with _locked(out / "sweep.json"):
             state = load_state(out, spec)
-            _write_json(out / "sweep.json", state)
+            write_json(out / "sweep.json", state)
     points = [p for p in state["points"] if cfg.only is None or p["train_point"] == cfg.only]
     if cfg.only is not None and not points:
         names = sorted({p["train_point"] for p in state["points"]})
@@ -407,7 +332,8 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
 
 def write_report(out: Path, spec: SweepSpec) -> Path | None:
     """The comparison report over every finished point (rewritten as points finish)."""
-    from evaluation.report import ReportConfig, build_report
+    from evaluation.config import ReportConfig
+    from evaluation.report import build_report
 
     with _locked(out / "report.json"):  # out/report.lock; reads sweep.json inside the lock
         state = json.loads((out / "sweep.json").read_text())
@@ -419,6 +345,9 @@ def write_report(out: Path, spec: SweepSpec) -> Path | None:
                 out=str(out / "report"),
                 title=f"sweep {spec.name}",
                 sort_by=spec.sort_by,
+                names=None,
+                plots=True,
+                wandb=False,
             )
         )
     return rep.files[0]
@@ -446,10 +375,9 @@ def submit_points(cfg: SweepConfig, out: Path, state: dict) -> dict[str, Any]:
     training under srun on every task (requeued on pre-emption, resumed), then the evals."""
     import shlex
 
-    from launch.launchers import SlurmLauncher, sbatch_script
-    from train.config import from_mapping
+    from launch.launchers import sbatch_script
 
-    sl = from_mapping(SlurmLauncher, {"name": "slurm", **cfg.slurm}, prefix="slurm")
+    sl = cfg.slurm
     live = _live_jobs(state.get("jobs", {}))
     pending = sorted(
         {p["train_point"] for p in state["points"] if p["status"] != "done"} - set(live)
@@ -494,6 +422,6 @@ def submit_points(cfg: SweepConfig, out: Path, state: dict) -> dict[str, Any]:
         with _locked(out / "sweep.json"):  # recorded at once: a later failure forgets nothing
             st = json.loads((out / "sweep.json").read_text())
             st.setdefault("jobs", {})[tname] = job_id
-            _write_json(out / "sweep.json", st)
+            write_json(out / "sweep.json", st)
         print(f"submitted {tname}: job {job_id} ({path})")
     return json.loads((out / "sweep.json").read_text())

@@ -124,7 +124,7 @@ def log_report(rep: Any, required: bool = False) -> dict[str, str]:
     runs = [r for r in rep.data["runs"] if (r.get("train") or {}).get("wandb_run")]
     if not runs:
         if required:
-            from train.config import ConfigError
+            from train.core.errors import ConfigError
 
             raise ConfigError(
                 "wandb=true but no reported run was trained with logger=wandb; "

@@ -9,7 +9,7 @@ import json
 
 import datasets
 
-from tests.launch.test_cli import run
+from tests.helpers import run
 
 
 def test_prep_on_bundled_sharegpt_with_smollm2(tmp_path):
@@ -27,8 +27,8 @@ def test_prep_on_bundled_sharegpt_with_smollm2(tmp_path):
     # Trainable tokens are a real share of the data, and every sample carries some.
     assert 0.3 < stats["trainable_tokens_total"] / stats["tokens_total"] < 0.98
     assert min(train["num_trainable"]) >= 1
-    from tests.conftest import prep_config
-    from train.base import load_tokenizer
+    from tests.helpers import prep_config
+    from train.core.base import load_tokenizer
 
     tok = load_tokenizer(prep_config(["out=x"]).base)
     row = train[0]
@@ -70,9 +70,9 @@ def test_prep_then_train_hydra_pp_on_smollm2(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "heads after 3 steps" in r.stdout and "acceptance estimate" in r.stdout
-    from tests.conftest import prep_config
-    from train.base import load_base
-    from train.checkpoint import load_heads
+    from tests.helpers import prep_config
+    from train.core.base import load_base
+    from train.heads import load_heads
 
     base = load_base(prep_config(["out=x"]).base)
     heads, meta = load_heads(out / "heads", base.fingerprint())

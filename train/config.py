@@ -1,131 +1,118 @@
-"""Typed config dataclasses from plain mappings, with errors that name the key, value and fix."""
+"""Schema of `hydra-heads train` (conf/train.yaml); Trainer and logger are checked `_target_`s."""
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
-from collections.abc import Mapping
-from typing import Any, Literal, TypeVar, Union
+import difflib
+import importlib
+import inspect
+from typing import Annotated, Any, Literal
 
-T = TypeVar("T")
+from pydantic import AfterValidator, model_validator
 
-
-class ConfigError(ValueError):
-    """A config value is missing, of the wrong type, or not allowed."""
-
-
-def fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
-    """Raise a ConfigError naming the key, the value found and what is allowed."""
-    raise ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
+from train.core.base import BaseConfig
+from train.core.config import ConfigModel, NonNegative, Positive, check, fail
+from train.core.errors import InvalidValue
+from train.heads.config import HeadConfig
 
 
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check `value` against the annotation `tp`; return it (converted where lossless)."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            fail(key, value, f"a value of type {_name(tp)} is required")
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(key, value, arg)
-            except ConfigError as e:
-                errors.append(e)
-        fail(key, value, f"expected {_name(tp)}")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            fail(key, value, f"allowed values are {', '.join(repr(c) for c in choices)}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if dataclasses.is_dataclass(value):
-            return value
-        if not isinstance(value, Mapping):
-            fail(key, value, f"expected a mapping for {tp.__name__}")
-        return from_mapping(tp, value, prefix=key)
-    if origin in (list, tuple) or tp in (list, tuple):
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            fail(key, value, f"expected a list ({_name(tp)})")
-        args = typing.get_args(tp)
-        inner = args[0] if args else Any
-        return [_coerce(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
-    if origin is dict or tp is dict:
-        if not isinstance(value, Mapping):
-            fail(key, value, f"expected a mapping ({_name(tp)})")
-        args = typing.get_args(tp)
-        kt, vt = args if args else (Any, Any)
-        return {_coerce(key, k, kt): _coerce(f"{key}.{k}", v, vt) for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        fail(key, value, "expected true or false")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            fail(key, value, "expected an integer")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            fail(key, value, "expected a number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            fail(key, value, "expected a string")
-        return value
-    if isinstance(tp, type) and not isinstance(value, tp):
-        fail(key, value, f"expected {_name(tp)}")
-    return value
-
-
-def _name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_name(a) for a in typing.get_args(tp))
-    if origin is Literal:
-        return " or ".join(repr(c) for c in typing.get_args(tp))
-    if tp is bool:
-        return "true/false"
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def from_mapping(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
-    """Build dataclass `cls` from `data`, rejecting unknown keys and values of the wrong type.
-
-    Field-level checks run here; `__post_init__` of `cls` then checks value ranges and
-    combinations. `prefix` is the dotted config path used in error messages (`data`, `base`).
-    """
-    if not isinstance(data, Mapping):
-        fail(prefix or cls.__name__, data, f"expected a mapping for {cls.__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        fail(key, data[unknown[0]], f"unknown key; known keys are {', '.join(sorted(fields))}")
-    kwargs = {}
-    for name, f in fields.items():
-        key = f"{prefix}.{name}" if prefix else name
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                fail(key, None, "this key is required")
-            continue
-        kwargs[name] = _coerce(key, data[name], hints[name])
+def _locate(target: str) -> Any:
+    module, _, name = target.rpartition(".")
     try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        if prefix and not str(e).startswith(f"config key '{prefix}."):
-            # __post_init__ names keys relative to its own dataclass; make them absolute.
-            raise ConfigError(str(e).replace("config key '", f"config key '{prefix}.", 1)) from None
-        raise
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise InvalidValue("_target_", target, f"an importable class or function ({e})") from None
 
 
-def to_dict(obj: Any) -> dict[str, Any]:
-    """A dataclass as a plain JSON/YAML-serialisable dict."""
-    return dataclasses.asdict(obj)
+def _arguments(obj: Any) -> set[str] | None:
+    """Keyword arguments `obj(...)` accepts; None when it takes any (it has **kwargs)."""
+    params = inspect.signature(obj).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def check_target(cfg: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """A `_target_` config whose keys are all arguments of its target (nested ones too)."""
+    if "_target_" not in cfg:
+        raise InvalidValue(where or "_target_", None, "a mapping with _target_ (what to build)")
+    target = _locate(cfg["_target_"])
+    allowed = _arguments(target)
+    for key, value in cfg.items():
+        if key == "_target_":
+            continue
+        if allowed is not None and key not in allowed:
+            near = difflib.get_close_matches(key, allowed, n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            raise InvalidValue(
+                ".".join(p for p in (where, key) if p),
+                value,
+                f"not an argument of {cfg['_target_']}; {hint}see its documentation",
+            )
+        if isinstance(value, dict) and "_target_" in value:
+            check_target(value, ".".join(p for p in (where, key) if p))
+    return cfg
+
+
+Target = Annotated[dict[str, Any], AfterValidator(check_target)]
+
+
+class TrainDataConfig(ConfigModel):
+    """Where training data comes from and how it is batched (`data:` in conf/train.yaml)."""
+
+    prepared: Annotated[str, check(bool, "the output dir of `hydra-heads prep`")]
+    offline: bool  # train from cached base hidden states (prep cache_hidden=true)
+    batch_size: Positive  # sequences per device per step
+    val_batch_size: Annotated[int, check(lambda v: v >= 1, "a positive integer or null")] | None
+    max_length: Annotated[int, check(lambda v: v >= 8, "null or an integer >= 8")] | None
+    bucket_batches: Positive  # batches per length bucket: larger = less padding, less mixing
+    shuffle: bool
+    num_workers: NonNegative
+    max_val_samples: (
+        Annotated[int, check(lambda v: v >= 1, "null (all) or a positive integer")] | None
+    )
+
+
+class OptimConfig(ConfigModel):
+    """AdamW over head parameters with linear warmup and cosine decay (`optim:`)."""
+
+    lr: Annotated[float, check(lambda v: v > 0, "a learning rate > 0")]
+    weight_decay: Annotated[float, check(lambda v: v >= 0, "a number >= 0")]
+    betas: Annotated[
+        list[float],
+        check(lambda b: len(b) == 2 and all(0 <= x < 1 for x in b), "two numbers in [0, 1)"),
+    ]
+    eps: float
+    warmup_steps: NonNegative
+    final_lr_ratio: Annotated[float, check(lambda v: 0 <= v <= 1, "a number in [0, 1]")]
+
+
+class TrainConfig(ConfigModel):
+    """Everything `hydra-heads train` needs (conf/train.yaml)."""
+
+    out: str
+    base: BaseConfig
+    head: HeadConfig
+    data: TrainDataConfig
+    optim: OptimConfig
+    trainer: Target  # a lightning Trainer (conf/trainer/*.yaml)
+    logger: Target | None  # a Lightning logger (conf/logger/*.yaml)
+    seed: int
+    # true: continue from the newest checkpoint in <out> (fails if none); auto: continue if there
+    # is one, else start (what a requeued SLURM job needs); false: refuse to touch an old run
+    resume: bool | Literal["auto"]
+    checkpoint_every: Positive  # optimizer steps between resumable checkpoints
+    keep_checkpoints: Positive
+    final_validation: bool
+
+    @model_validator(mode="after")
+    def _rules(self) -> TrainConfig:
+        steps = self.trainer.get("max_steps")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+            fail("trainer.max_steps", steps, "a positive integer (the LR schedule is per step)")
+        if self.data.offline and self.head.hidden_state_offset:
+            fail(
+                "head.hidden_state_offset",
+                self.head.hidden_state_offset,
+                "offline training caches the last hidden state only; use 0",
+            )
+        return self

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,43 +12,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from train.config import fail
+from train.config import TrainDataConfig
+from train.core.errors import UserError
 
 REQUIRED_COLUMNS = ("input_ids", "loss_mask", "length", "seq_lens")
 
 
-class PreparedDataError(RuntimeError):
+class PreparedDataError(UserError, RuntimeError):
     """data.prepared does not point at a complete, compatible `hydra-heads prep` output."""
-
-
-@dataclass
-class TrainDataConfig:
-    """Where training data comes from and how it is batched (`data:` in conf/train.yaml)."""
-
-    prepared: str  # the out= dir of `hydra-heads prep`
-    offline: bool = False  # train from cached base hidden states (prep cache_hidden=true)
-    batch_size: int = 4  # sequences per device per step
-    val_batch_size: int | None = None
-    max_length: int | None = None  # cut longer samples (default: as prepared)
-    bucket_batches: int = 32  # batches per length bucket: larger = less padding, less mixing
-    shuffle: bool = True
-    num_workers: int = 0
-    max_val_samples: int | None = 256
-
-    def __post_init__(self) -> None:
-        if not self.prepared:
-            fail("prepared", self.prepared, "the output dir of `hydra-heads prep`")
-        for k in ("batch_size", "bucket_batches"):
-            if getattr(self, k) < 1:
-                fail(k, getattr(self, k), "a positive integer")
-        if self.val_batch_size is not None and self.val_batch_size < 1:
-            fail("val_batch_size", self.val_batch_size, "a positive integer or null")
-        if self.max_length is not None and self.max_length < 8:
-            fail("max_length", self.max_length, "null or an integer >= 8")
-        if self.num_workers < 0:
-            fail("num_workers", self.num_workers, "an integer >= 0")
-        if self.max_val_samples is not None and self.max_val_samples < 1:
-            fail("max_val_samples", self.max_val_samples, "null (all) or a positive integer")
 
 
 def load_prepared(path: str | Path, vocab_size: int | None = None, offline: bool = False):

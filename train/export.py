@@ -76,26 +76,27 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from train.atomic import publish_dir
-from train.base import BaseConfig
-from train.checkpoint import (
-    CONFIG_FILE,
-    FORMAT,
-    HEADS_FILE,
-    check_base,
+from train.core.atomic import staged_dir
+from train.core.base import BaseConfig, recorded_base
+from train.core.checkpoint import CONFIG_FILE, FORMAT, HEADS_FILE, check_base
+from train.core.config import fail, from_group
+from train.core.errors import AlreadyExists, ConfigError, NotFound
+from train.heads import (
+    HeadConfig,
+    HeadSet,
+    base_shape,
+    build_heads,
     heads_meta,
     load_heads,
     save_heads,
 )
-from train.config import ConfigError, fail, from_mapping
-from train.heads import HeadConfig, HeadSet, base_shape, build_heads
-from train.heads.blocks import LossConfig
+from train.heads.io import recorded_head
 
 Format = Literal["hf", "hydra", "medusa"]
 HF_KEYS = ("architectures", "model_type", "base_model_name_or_path", "torch_dtype")
@@ -109,54 +110,18 @@ class FormatError(ConfigError):
     """Heads cannot be written in, or read from, a format without changing their proposals."""
 
 
-@dataclass
-class ExportConfig:
-    """`hydra-heads export` (conf/export.yaml)."""
-
-    heads: str  # a heads checkpoint dir (<train out>/heads)
-    format: Format
-    out: str
-    eval: str | None = None  # hf: an eval.json for the model card (default: one found nearby)
-    base_model: str | None = None  # base id written into the files (default: the recorded one)
-    overwrite: bool = False
-
-    def __post_init__(self) -> None:
-        if self.eval is not None and self.format != "hf":
-            fail("eval", self.eval, "only format=hf writes a model card; drop eval= or use hf")
-
-
-@dataclass
-class ImportConfig:
-    """`hydra-heads import` (conf/import.yaml)."""
-
-    src: str  # a directory in `format`
-    format: Format
-    out: str  # written as a heads checkpoint dir (heads.safetensors + heads_config.json)
-    base: BaseConfig | None = None  # default (hf only): the base recorded in its config.json
-    overwrite: bool = False
-
-    def __post_init__(self) -> None:
-        if self.base is None and self.format != "hf":
-            fail(
-                "base",
-                None,
-                f"format={self.format} heads do not record a base we can load: pass base=NAME "
-                "(e.g. base=vicuna_7b) for the model they were trained on",
-            )
-
-
 # -- shared --------------------------------------------------------------------------------
 def _check_out(out: Path, source: Path, overwrite: bool) -> None:
     o, s = out.resolve(), source.resolve()
     if o == s or o in s.parents:
         fail("out", str(out), f"it would replace the input {source}; choose another directory")
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
-        raise FileExistsError(f"{out} already exists: pass overwrite=true to replace it")
+        raise AlreadyExists(f"{out} already exists: pass overwrite=true to replace it")
 
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found")
+        raise NotFound(f"{path} not found")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -170,28 +135,24 @@ def _write_dir(out: Path, files: dict[str, Any]) -> list[str]:
     """Write `files` (name -> text | tensor dict | `_SameAs`) into `out`, atomically."""
     from safetensors.torch import save_file
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for name, content in files.items():
-        path = tmp / name
-        if isinstance(content, str):
-            path.write_text(content)
-        elif isinstance(content, _SameAs):
-            try:  # a hard link: the same bytes under a second name, at no extra space
-                os.link(tmp / content.name, path)
-            except OSError:
-                shutil.copyfile(tmp / content.name, path)
-        elif isinstance(content, Path):
-            shutil.copyfile(content, path)
-        elif name.endswith(".safetensors"):
-            save_file(_plain(content), str(path), metadata={"format": "pt"})
-        elif name.endswith(".pt"):
-            torch.save(_plain(content), path)
-        else:
-            raise ValueError(f"no writer for {name}")
-    publish_dir(tmp, out)
+    with staged_dir(out) as tmp:
+        for name, content in files.items():
+            path = tmp / name
+            if isinstance(content, str):
+                path.write_text(content)
+            elif isinstance(content, _SameAs):
+                try:  # a hard link: the same bytes under a second name, at no extra space
+                    os.link(tmp / content.name, path)
+                except OSError:
+                    shutil.copyfile(tmp / content.name, path)
+            elif isinstance(content, Path):
+                shutil.copyfile(content, path)
+            elif name.endswith(".safetensors"):
+                save_file(_plain(content), str(path), metadata={"format": "pt"})
+            elif name.endswith(".pt"):
+                torch.save(_plain(content), path)
+            else:
+                raise ValueError(f"no writer for {name}")
     return sorted(files)
 
 
@@ -549,7 +510,7 @@ def import_heads(
     """Read `src` in format `fmt`, check it against `base`, write our heads dir at `out`."""
     src, out = Path(src), Path(out)
     if not src.is_dir():
-        raise FileNotFoundError(f"{src} is not a directory (src= must be a {fmt} heads dir)")
+        raise NotFound(f"{src} is not a directory (src= must be a {fmt} heads dir)")
     _check_out(out, src, overwrite)
     readers = {"hf": _read_hf, "hydra": _read_hydra, "medusa": _read_medusa}
     if fmt not in readers:
@@ -558,7 +519,7 @@ def import_heads(
     if base is None:
         if not parsed.recorded_base:
             fail("base", None, f"{src} records no base config: pass base=NAME")
-        base = from_mapping(BaseConfig, parsed.recorded_base, prefix="base")
+        base = recorded_base(parsed.recorded_base)
     fingerprint, base_config = _base_info(base)
     check_base(
         {
@@ -583,7 +544,7 @@ def import_heads(
     meta = heads_meta(
         heads,
         fingerprint,
-        asdict(base),
+        base.to_dict(),
         imported={"format": fmt, "src": str(src.resolve()), "base": parsed.base_id},
     )
     for key, value in (parsed.extra or {}).items():  # hf: keep what training recorded
@@ -603,7 +564,7 @@ def import_heads(
 
 def _base_info(cfg: BaseConfig) -> tuple[dict, Any]:
     """Fingerprint and transformers config of the base, without loading big weights."""
-    from train.base import DeferredBase, load_base
+    from train.core.base import DeferredBase, load_base
 
     # A deferred base answers from a meta-device skeleton; the tiny test base is built whole.
     b = load_base(cfg) if cfg.source == "tiny_random" else DeferredBase(cfg)
@@ -691,8 +652,10 @@ def _read_hydra(src: Path) -> _Parsed:
             ref = ours[key.replace(".bias", ".weight")]
             ours[key] = b if b is not None else ref.new_zeros(ref.shape[0])
     vocab, hidden = ours["lm_heads.0.weight"].shape
-    head = HeadConfig(
-        name="hydra" if grounded else "medusa",
+    head = from_group(
+        HeadConfig,
+        "head",
+        "hydra" if grounded else "medusa",
         num_heads=k_heads,
         num_layers=n_layers,
         hidden_state_offset=offset,
@@ -710,7 +673,7 @@ def _read_medusa(src: Path) -> _Parsed:
     for name in (MEDUSA_TRT_WEIGHTS, "medusa_lm_head.pt"):
         if (src / name).is_file():
             return _read_medusa_fasterdecoding(src / name, cfg, base_id)
-    raise FileNotFoundError(
+    raise NotFound(
         f"{src} has no Medusa weights: expected model.safetensors (vLLM), "
         f"{MEDUSA_TRT_WEIGHTS} or medusa_lm_head.pt (FasterDecoding/Medusa, TensorRT-LLM)"
     )
@@ -757,8 +720,10 @@ def _read_medusa_vllm(src: Path, cfg: dict, base_id: str) -> _Parsed:
     if draft is not None:
         ours["draft.to_full"] = draft
     hidden = ours["mlps.0.0.linear.weight"].shape[1]
-    head = HeadConfig(
-        name="medusa",
+    head = from_group(
+        HeadConfig,
+        "head",
+        "medusa",
         num_heads=k_heads,
         num_layers=n_layers,
         draft_vocab_size=None if draft is None else int(draft.numel()),
@@ -782,7 +747,7 @@ def _read_medusa_fasterdecoding(path: Path, cfg: dict, base_id: str) -> _Parsed:
         ours[f"lm_heads.{k}.weight"] = take(f"{k}.{n_layers}.weight")
     take.done()
     vocab, hidden = ours["lm_heads.0.weight"].shape
-    head = HeadConfig(name="medusa", num_heads=k_heads, num_layers=n_layers)
+    head = from_group(HeadConfig, "head", "medusa", num_heads=k_heads, num_layers=n_layers)
     return _Parsed(head, hidden, vocab, ours, base_id)
 
 
@@ -799,11 +764,9 @@ def _read_hf(src: Path) -> _Parsed:
         )
     weights = src / "model.safetensors"
     if not weights.is_file():
-        raise FileNotFoundError(f"{weights} not found")
-    head_dict = dict(meta["head"])
-    head_dict["loss"] = LossConfig(**head_dict.get("loss", {}))
+        raise NotFound(f"{weights} not found")
     return _Parsed(
-        head=HeadConfig(**head_dict),
+        head=recorded_head(meta["head"]),
         hidden_size=int(meta["hidden_size"]),
         vocab_size=int(meta["vocab_size"]),
         state=load_file(str(weights)),

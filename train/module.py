@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
 import numpy as np
@@ -13,33 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.config import fail
+from train.config import OptimConfig
 from train.heads import HeadSet, LossConfig
 from train.losses import METRIC_NAMES, fused_head_loss
-
-
-@dataclass
-class OptimConfig:
-    """AdamW over head parameters with linear warmup and cosine decay (`optim:`)."""
-
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    warmup_steps: int = 20
-    final_lr_ratio: float = 0.1  # the cosine ends at lr * final_lr_ratio
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            fail("lr", self.lr, "a learning rate > 0")
-        if self.weight_decay < 0:
-            fail("weight_decay", self.weight_decay, "a number >= 0")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            fail("betas", self.betas, "two numbers in [0, 1)")
-        if self.warmup_steps < 0:
-            fail("warmup_steps", self.warmup_steps, "an integer >= 0")
-        if not 0 <= self.final_lr_ratio <= 1:
-            fail("final_lr_ratio", self.final_lr_ratio, "a number in [0, 1]")
 
 
 def lr_factor(step: int, warmup: int, total: int, final: float) -> float:
@@ -326,7 +301,7 @@ class HeadsModule(pl.LightningModule):
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        from train.checkpoint import check_base
+        from train.core.checkpoint import check_base
 
         saved = checkpoint.get("hydra_heads") or {}
         if saved and self.meta:

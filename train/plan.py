@@ -227,7 +227,7 @@ def base_arch(base) -> dict[str, Any]:
     if base.arch:
         return dict(base.arch)
     if base.source == "tiny_random":
-        from train.base import tiny_tokenizer
+        from train.core.base import tiny_tokenizer
 
         t = base.tiny
         return {
@@ -241,7 +241,7 @@ def base_arch(base) -> dict[str, Any]:
         }
     from transformers import AutoConfig
 
-    from train.base import BaseLoadError, _ensure_gguf_cache, _resolve_pretrained, resolve_gguf
+    from train.core.base import BaseLoadError, _ensure_gguf_cache, _resolve_pretrained, resolve_gguf
 
     if base.source in ("gguf_package", "gguf_file"):
         config = AutoConfig.from_pretrained(str(_ensure_gguf_cache(resolve_gguf(base))))

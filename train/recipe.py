@@ -2,62 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from train.atomic import write_text
-from train.base import BaseConfig, DeferredBase, load_base
-from train.checkpoint import heads_meta, save_heads
-from train.config import fail
-from train.data import PreparedDataModule, TrainDataConfig, load_prepared, token_counts
-from train.heads import HeadConfig, base_shape, build_heads
+from train.config import TrainConfig
+from train.core.atomic import write_json, write_text
+from train.core.base import DeferredBase, load_base
+from train.core.errors import AlreadyExists, NotFound
+from train.data import PreparedDataModule, load_prepared, token_counts
+from train.heads import base_shape, build_heads, heads_meta, save_heads
 from train.heads.blocks import top_tokens
-from train.module import HeadsModule, OptimConfig
+from train.module import HeadsModule
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainConfig:
-    """Everything `hydra-heads train` needs (`conf/train.yaml`)."""
-
-    out: str
-    base: BaseConfig
-    head: HeadConfig
-    data: TrainDataConfig
-    optim: OptimConfig
-    trainer: dict[str, Any]  # a lightning Trainer, built from its `_target_` by the CLI
-    logger: dict[str, Any] | None = None
-    seed: int = 0
-    # true: continue from the newest checkpoint in <out> (fails if none); auto: continue if there
-    # is one, else start (what a requeued SLURM job needs); false: refuse to touch an old run
-    resume: bool | Literal["auto"] = False
-    checkpoint_every: int = 50  # optimizer steps between resumable checkpoints
-    keep_checkpoints: int = 2
-    final_validation: bool = True
-
-    def __post_init__(self) -> None:
-        steps = self.trainer.get("max_steps")
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
-            fail("trainer.max_steps", steps, "a positive integer (the LR schedule is per step)")
-        if self.checkpoint_every < 1:
-            fail("checkpoint_every", self.checkpoint_every, "a positive integer")
-        if self.keep_checkpoints < 1:
-            fail("keep_checkpoints", self.keep_checkpoints, "a positive integer")
-        if self.data.offline and self.head.hidden_state_offset:
-            fail(
-                "head.hidden_state_offset",
-                self.head.hidden_state_offset,
-                "offline training caches the last hidden state only; use 0",
-            )
 
 
 class SaveOnInterrupt(pl.Callback):
@@ -85,9 +48,7 @@ def resume_checkpoint(ckpt_dir: Path) -> Path:
     mid-save) leaves a truncated file, and the one before it is then the place to resume."""
     cands = checkpoint_candidates(ckpt_dir.parent)
     if not cands:
-        raise FileNotFoundError(
-            f"resume=true but {ckpt_dir} holds no checkpoint: nothing to resume"
-        )
+        raise NotFound(f"resume=true but {ckpt_dir} holds no checkpoint: nothing to resume")
     # Newest first (last.ckpt wins a tie with the step file written at the same step).
     for c in sorted(cands, key=lambda c: (c.stat().st_mtime, c.name == "last.ckpt"), reverse=True):
         if c.is_dir():  # DeepSpeed writes a directory per checkpoint, complete once `latest` is
@@ -103,7 +64,7 @@ def resume_checkpoint(ckpt_dir: Path) -> Path:
             continue
         log.info("resuming from %s", c)
         return c
-    raise FileNotFoundError(f"no readable checkpoint in {ckpt_dir}; cannot resume")
+    raise NotFound(f"no readable checkpoint in {ckpt_dir}; cannot resume")
 
 
 def build_module(
@@ -124,7 +85,7 @@ def build_module(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         heads = build_heads(cfg.head, base_shape(base.config), base.output_weight(), draft_ids)
-    meta = heads_meta(heads, fp, asdict(cfg.base))
+    meta = heads_meta(heads, fp, cfg.base.to_dict())
     module = HeadsModule(
         heads,
         cfg.optim,
@@ -143,20 +104,30 @@ def build_module(
     return module, dm, meta
 
 
+def make_trainer(cfg: TrainConfig, **kwargs: Any) -> pl.Trainer:
+    """The Lightning Trainer of `cfg.trainer` (a checked `_target_` config) with `kwargs`."""
+    from hydra.utils import instantiate
+
+    return instantiate(cfg.trainer, **kwargs)
+
+
 def fit(
     cfg: TrainConfig,
-    make_trainer: Callable[..., pl.Trainer],
+    make: Callable[..., pl.Trainer] | None = None,
     logger: Any = False,
     resolved_config: str | None = None,
 ) -> dict[str, Any]:
-    """Train, checkpoint, export `<out>/heads`; return the summary also written to disk."""
+    """Train, checkpoint, export `<out>/heads`; return the summary also written to disk.
+
+    `make(**kwargs)` builds the Trainer (default: from `cfg.trainer`); `logger` is a Lightning
+    logger, a list of them, or False; `resolved_config` is written to `<out>/config.yaml`."""
     out = Path(cfg.out).expanduser()
     ckpt_dir = out / "checkpoints"
     last = ckpt_dir / "last.ckpt"
     resume = bool(checkpoint_candidates(out)) if cfg.resume == "auto" else cfg.resume
     resume_from = resume_checkpoint(ckpt_dir) if resume else None
     if not resume and checkpoint_candidates(out):
-        raise FileExistsError(
+        raise AlreadyExists(
             f"{out} already holds checkpoints; pass resume=true to continue that run, or choose "
             "another out"
         )
@@ -176,7 +147,8 @@ def fit(
         ),
         SaveOnInterrupt(last),
     ]
-    trainer = make_trainer(callbacks=callbacks, logger=logger, default_root_dir=str(out))
+    build = make or (lambda **kw: make_trainer(cfg, **kw))
+    trainer = build(callbacks=callbacks, logger=logger, default_root_dir=str(out))
     # Under ZeRO-3 a base bigger than one GPU (or one host's share) must be built already
     # partitioned: its loading waits for the strategy's zero.Init context (configure_model).
     defer = (
@@ -189,7 +161,7 @@ def fit(
     setup_s = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     if resolved_config is not None:
-        (out / "config.yaml").write_text(resolved_config)
+        write_text(out / "config.yaml", resolved_config)
     t1 = time.perf_counter()
     # Our own checkpoints also hold numpy / python RNG states: not loadable as weights only.
     trainer.fit(
@@ -240,4 +212,4 @@ def _export(out: Path, module: HeadsModule, meta: dict, summary: dict, cfg, step
         "validation": val,
     }
     save_heads(out / "heads", module.heads, {**meta, "training": training})
-    write_text(out / "train_summary.json", json.dumps(summary, indent=2) + "\n")
+    write_json(out / "train_summary.json", summary)

@@ -35,13 +35,16 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from evaluation.calibrate import calibrate, choose_tree  # noqa: E402
+from evaluation.config import CalibratedTree  # noqa: E402
 from evaluation.decode import Decoder, eos_ids, new_cache  # noqa: E402
-from evaluation.evaluate import EvalConfig, TreeConfig, base_config, calibration_rows  # noqa: E402
+from evaluation.evaluate import calibration_rows  # noqa: E402
 from evaluation.prompts import held_out_prompts, prepared_rows  # noqa: E402
 from evaluation.tree import PRESETS, Tree, chain, grow  # noqa: E402
 from evaluation.verify import base_forward, tree_attention_mask, tree_bias  # noqa: E402
-from train.base import load_base  # noqa: E402
-from train.checkpoint import load_heads, read_meta  # noqa: E402
+from train.core.base import load_base, recorded_base  # noqa: E402
+from train.core.checkpoint import read_meta  # noqa: E402
+from train.core.config import from_group  # noqa: E402
+from train.heads import load_heads  # noqa: E402
 
 SPEEDUP_TARGET_DEMO = 1.0
 
@@ -101,7 +104,7 @@ def main() -> None:
     if not Path(args.heads).is_dir():
         raise SystemExit(f"{args.heads} not found: run `make demo` first or pass --heads DIR")
     meta = read_meta(args.heads)
-    base = load_base(base_config(EvalConfig(heads=args.heads, out="-"), meta))
+    base = load_base(recorded_base(meta["base"]["config"]))
     heads, meta = load_heads(args.heads, base.fingerprint())
     model = base.model
     prepared = args.prepared or (meta.get("training") or {}).get("prepared") or "runs/demo/data"
@@ -124,7 +127,12 @@ def main() -> None:
     console.print(f"output projection, one row: {row * 1e3:.1f} ms ({row / plain:.2f}x plain step)")
 
     # 2. proposal and whole-step cost per tree, break-even tau
-    calib = calibrate(model, heads, calibration_rows(ds, next_row, TreeConfig()), 10)
+    calib = calibrate(
+        model,
+        heads,
+        calibration_rows(ds, next_row, from_group(CalibratedTree, "tree", "calibrated")),
+        10,
+    )
     trees = {
         "chain": chain(heads.num_heads),
         "sparse_7": PRESETS["sparse_7"],

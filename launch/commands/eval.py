@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 CONFIG_NAME = "eval"
+# A working command line, shown when a required key is missing.
+EXAMPLE = "hydra-heads eval heads=runs/hpp/heads out=runs/hpp-eval"
 
 
 def print_summary(res: dict[str, Any], out: str) -> None:
@@ -52,12 +54,13 @@ def print_summary(res: dict[str, Any], out: str) -> None:
 def run(cfg) -> dict[str, Any]:
     from rich.console import Console
 
-    from evaluation.evaluate import EvalConfig, run_eval
-    from launch.app import resolved_yaml, to_typed
+    from evaluation.config import EvalConfig
+    from evaluation.evaluate import run_eval
     from launch.wandb_runs import log_eval, train_run_of
-    from train.config import ConfigError
+    from train.core.config import load, resolved_yaml
+    from train.core.errors import ConfigError
 
-    typed = to_typed(cfg, EvalConfig)
+    typed = load(cfg, EvalConfig, EXAMPLE)
     wandb = typed.wandb
     if wandb is True and train_run_of(typed.heads) is None:
         raise ConfigError(

@@ -5,15 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 CONFIG_NAME = "export"
+# A working command line, shown when a required key is missing.
+EXAMPLE = "hydra-heads export heads=runs/hpp/heads format=hf out=exported/hpp"
 
 
 def run(cfg) -> dict[str, Any]:
     from rich.console import Console
 
-    from launch.app import to_typed
-    from train.export import ExportConfig, export_heads
+    from launch.config import ExportConfig
+    from train.core.config import load
+    from train.export import export_heads
 
-    typed = to_typed(cfg, ExportConfig)  # fails here, before reading any weights
+    typed = load(cfg, ExportConfig, EXAMPLE)  # fails here, before reading any weights
     res = export_heads(
         typed.heads,
         typed.format,

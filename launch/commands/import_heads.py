@@ -6,15 +6,18 @@ from typing import Any
 
 # The subcommand is `import`, a Python keyword, so the module is named import_heads.
 CONFIG_NAME = "import"
+# A working command line, shown when a required key is missing.
+EXAMPLE = "hydra-heads import src=exported/medusa format=medusa base=vicuna_7b out=imported/medusa"
 
 
 def run(cfg) -> dict[str, Any]:
     from rich.console import Console
 
-    from launch.app import to_typed
-    from train.export import ImportConfig, import_heads
+    from launch.config import ImportConfig
+    from train.core.config import load
+    from train.export import import_heads
 
-    typed = to_typed(cfg, ImportConfig)  # fails here, before loading the base
+    typed = load(cfg, ImportConfig, EXAMPLE)  # fails here, before loading the base
     res = import_heads(typed.src, typed.format, typed.base, typed.out, overwrite=typed.overwrite)
     draft = res["draft_vocab_size"]
     Console().print(

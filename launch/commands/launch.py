@@ -9,32 +9,28 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_NAME = "launch"
+# A working command line, shown when a required key is missing.
+EXAMPLE = (
+    "hydra-heads launch launcher=slurm data.prepared=/shared/data out=/shared/runs/hpp dry_run=true"
+)
 
 
 def run(cfg) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
 
-    from launch.app import to_typed
+    from launch.config import LaunchConfig
     from launch.launchers import (
-        LAUNCHERS,
         deepspeed_command,
         sbatch_script,
         script_path,
         torchrun_commands,
         train_overrides,
     )
-    from train.config import ConfigError, from_mapping
-    from train.recipe import TrainConfig
+    from train.core.config import load
+    from train.core.errors import ConfigError
 
-    launcher = OmegaConf.to_container(cfg.launcher, resolve=True)
-    dry = bool(cfg.dry_run)
-    train_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("launcher", "dry_run")])
-    typed = to_typed(train_cfg, TrainConfig)  # the job's config must be valid before submitting
-    name = launcher.get("name")
-    if name not in LAUNCHERS:
-        raise ConfigError(f"launcher.name={name!r}: choose one of {', '.join(LAUNCHERS)}")
-    lc = from_mapping(LAUNCHERS[name], launcher, prefix="launcher")
+    typed = load(cfg, LaunchConfig, EXAMPLE)  # the job's config must be valid before submitting
+    lc, dry, name = typed.launcher, typed.dry_run, typed.launcher.name
     overrides = train_overrides(list(HydraConfig.get().overrides.task))
     out = str(Path(typed.out).resolve())
 

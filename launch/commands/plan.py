@@ -5,27 +5,27 @@ from __future__ import annotations
 from typing import Any
 
 CONFIG_NAME = "plan"
+# A working command line, shown when a required key is missing.
+EXAMPLE = "hydra-heads plan experiment=vicuna7b_8xa100"
 
 
 def run(cfg) -> dict[str, Any]:
-    from omegaconf import OmegaConf
     from rich.console import Console
     from rich.table import Table
 
-    from launch.app import to_typed
-    from train.config import ConfigError
+    from launch.config import PlanConfig
+    from train.core.config import load
+    from train.core.errors import ConfigError
     from train.plan import GIB, GPUS_GB, base_arch, estimate, verdict
-    from train.recipe import TrainConfig
 
-    gpu, gb = cfg.gpu, cfg.gpu_memory_gb
+    typed = load(cfg, PlanConfig, EXAMPLE)
+    gpu, gb = typed.gpu, typed.gpu_memory_gb
     if gb is None:
         if gpu not in GPUS_GB:
             raise ConfigError(
                 f"gpu={gpu!r}: choose one of {', '.join(GPUS_GB)} or set gpu_memory_gb"
             )
         gb = GPUS_GB[gpu]
-    train_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("gpu", "gpu_memory_gb")])
-    typed = to_typed(train_cfg, TrainConfig)
     arch = base_arch(typed.base)
     est = estimate(typed, arch)
     v = verdict(typed, arch, float(gb))
@@ -47,7 +47,7 @@ def run(cfg) -> dict[str, Any]:
     console.print(t)
     n = est["params"]
     console.print(f"base {n['base'] / 1e9:.2f} B params, heads {n['heads'] / 1e6:.1f} M trainable")
-    label = gpu if cfg.gpu_memory_gb is None else f"{gb} GB device"
+    label = gpu if typed.gpu_memory_gb is None else f"{gb} GB device"
     if v["fits"]:
         console.print(f"[green]fits[/] on {label} ({v['need_gb']:.1f} of {gb} GB)")
     else:

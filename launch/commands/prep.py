@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 CONFIG_NAME = "prep"
+# A working command line, shown when a required key is missing.
+EXAMPLE = "hydra-heads prep data.max_conversations=2000 out=runs/demo/data"
 
 
 def print_stats(stats: dict[str, Any], out: str) -> None:
@@ -47,9 +49,9 @@ def print_stats(stats: dict[str, Any], out: str) -> None:
 def run(cfg) -> dict[str, Any]:
     from data_prep.config import PrepConfig
     from data_prep.prepare import prepare
-    from launch.app import resolved_yaml, to_typed
+    from train.core.config import load, resolved_yaml
 
-    typed = to_typed(cfg, PrepConfig)  # fails here, before any heavy work, on a bad config
+    typed = load(cfg, PrepConfig, EXAMPLE)  # fails here, before any heavy work, on a bad config
     stats = prepare(typed, resolved_config=resolved_yaml(cfg))
     print_stats(stats, typed.out)
     return stats

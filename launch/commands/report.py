@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 CONFIG_NAME = "report"
+# A working command line, shown when a required key is missing.
+EXAMPLE = "hydra-heads report runs=[runs/demo] out=runs/demo/report"
 
 
 def print_leaderboard(data: dict[str, Any]) -> None:
@@ -31,11 +33,12 @@ def print_leaderboard(data: dict[str, Any]) -> None:
 
 
 def run(cfg) -> dict[str, Any]:
-    from evaluation.report import ReportConfig, build_report
-    from launch.app import to_typed
+    from evaluation.config import ReportConfig
+    from evaluation.report import build_report
     from launch.wandb_runs import log_report
+    from train.core.config import load
 
-    typed = to_typed(cfg, ReportConfig)
+    typed = load(cfg, ReportConfig, EXAMPLE)
     wandb = typed.wandb
     rep = build_report(typed)
     print_leaderboard(rep.data)

@@ -5,16 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 CONFIG_NAME = "sweep"
+# A working command line, shown when a required key is missing.
+EXAMPLE = (
+    "hydra-heads sweep sweep=architectures out=runs/arch "
+    "'train_args=[\"data.prepared=runs/demo/data\"]'"
+)
 
 
 def run(cfg) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
-    from launch.app import to_typed
-    from launch.sweep import SweepConfig, run_sweep
+    from launch.config import SweepConfig
+    from launch.sweep import run_sweep
+    from train.core.config import load
 
-    typed = to_typed(cfg, SweepConfig)
+    typed = load(cfg, SweepConfig, EXAMPLE)
     state = run_sweep(typed)
     if typed.dry_run or typed.backend == "slurm":
         return state

@@ -7,15 +7,18 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_NAME = "train"
+# A working command line, shown when a required key is missing.
+EXAMPLE = "hydra-heads train data.prepared=runs/demo/data out=runs/hpp"
 
 
-def make_logger(cfg, out: str) -> Any:
+def make_logger(cfg) -> Any:
     """The configured Lightning logger, or False. wandb goes offline without an API key."""
     from hydra.utils import instantiate
 
-    if cfg.get("logger") is None:
+    if cfg.logger is None:
         return False
-    target = str(cfg.logger.get("_target_", ""))
+    out = cfg.out
+    target = str(cfg.logger["_target_"])
     if target.endswith("WandbLogger"):
         os.environ.setdefault("WANDB_DIR", out)
         os.environ.setdefault("WANDB_CACHE_DIR", str(Path(out) / ".wandb_cache"))
@@ -60,37 +63,31 @@ def quiet_lightning() -> None:
         logging.getLogger(name).propagate = False
     warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    if "SLURM_JOB_ID" not in os.environ:  # a local run on a host that has SLURM installed
+        warnings.filterwarnings("ignore", message=r".*`srun` command is available.*")
 
 
 def _record_wandb_run(summary: dict, logger: Any, out: str) -> None:
     """Remember the wandb run, so that eval and report log into it later."""
-    import json
-
     from launch.wandb_runs import run_info
-    from train.atomic import write_text
+    from train.core.atomic import write_json
 
     info = run_info(logger)
     if info is None:
         return
     summary["wandb_run"] = info
-    path = Path(out).expanduser() / "train_summary.json"
-    write_text(path, json.dumps(summary, indent=2) + "\n")
+    write_json(Path(out).expanduser() / "train_summary.json", summary)
 
 
 def run(cfg) -> dict:
-    from hydra.utils import instantiate
+    from train.config import TrainConfig
+    from train.core.config import load, resolved_yaml
+    from train.recipe import fit
 
-    from launch.app import resolved_yaml, to_typed
-    from train.recipe import TrainConfig, fit
-
-    typed = to_typed(cfg, TrainConfig)  # fails here, before any heavy work, on a bad config
+    typed = load(cfg, TrainConfig, EXAMPLE)  # fails here, before any heavy work, on a bad config
     quiet_lightning()
-    logger = make_logger(cfg, typed.out)
-
-    def make_trainer(**kwargs):
-        return instantiate(cfg.trainer, **kwargs)
-
-    summary = fit(typed, make_trainer, logger, resolved_yaml(cfg))
+    logger = make_logger(typed)
+    summary = fit(typed, logger=logger, resolved_config=resolved_yaml(cfg))
     if summary.get("global_rank", 0) == 0:  # one table, not one per process
         _record_wandb_run(summary, logger, typed.out)
         print_summary(summary, typed.head.num_heads)

@@ -10,7 +10,7 @@ import datasets
 import pytest
 
 from data_prep.prepare import PrepError, prepare
-from tests.conftest import EXPECTED_SKIPS, GOOD, conv, prep_config
+from tests.helpers import EXPECTED_SKIPS, GOOD, conv, prep_config
 
 
 def _cfg(tmp_path: Path, data: Path, *extra: str):

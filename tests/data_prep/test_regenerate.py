@@ -7,11 +7,9 @@ import json
 import datasets
 import pytest
 
-from data_prep.config import RegenConfig
 from data_prep.prepare import prepare
 from data_prep.regenerate import regenerate
-from tests.conftest import conv, prep_config
-from train.base import BaseConfig, load_base
+from tests.helpers import conv, prep_config, regen_config
 
 
 def _rows(n):
@@ -28,17 +26,12 @@ def _rows(n):
     return rows
 
 
-@pytest.fixture(scope="module")
-def tiny_base():
-    return load_base(BaseConfig(name="tiny_random", source="tiny_random"))
-
-
-# The random tiny model's greedy reply is all whitespace (dropped as empty), so sample.
+# The random tiny_base model's greedy reply is all whitespace (dropped as empty), so sample.
 SAMPLE = {"temperature": 1.0}
 
 
 def test_regenerates_every_assistant_turn_reproducibly(tmp_path, tiny_base):
-    cfg = RegenConfig(max_new_tokens=6, batch_size=3, shard_size=4, **SAMPLE)
+    cfg = regen_config(max_new_tokens=6, batch_size=3, shard_size=4, **SAMPLE)
     out = regenerate(_rows(5), tiny_base, cfg, tmp_path / "r")
     assert len(out) == 5
     for r in out:
@@ -53,14 +46,14 @@ def test_empty_replies_end_the_conversation(tmp_path, tiny_base):
     from data_prep.readers import SkipLog
 
     skips = SkipLog()
-    out = regenerate(_rows(2), tiny_base, RegenConfig(max_new_tokens=4), tmp_path / "g", 0, skips)
+    out = regenerate(_rows(2), tiny_base, regen_config(max_new_tokens=4), tmp_path / "g", 0, skips)
     assert out == [] and skips.counts == {"regen_empty_reply": 2}
 
 
 def test_killed_run_resumes_at_the_first_missing_shard(tmp_path, tiny_base, monkeypatch):
     import data_prep.regenerate as regen_mod
 
-    cfg = RegenConfig(max_new_tokens=4, batch_size=2, shard_size=2, **SAMPLE)
+    cfg = regen_config(max_new_tokens=4, batch_size=2, shard_size=2, **SAMPLE)
     full = regenerate(_rows(6), tiny_base, cfg, tmp_path / "a")
 
     calls = []
@@ -89,7 +82,7 @@ def test_killed_run_resumes_at_the_first_missing_shard(tmp_path, tiny_base, monk
 
 
 def test_changed_inputs_discard_stale_shards(tmp_path, tiny_base):
-    cfg = RegenConfig(max_new_tokens=3, shard_size=2, **SAMPLE)
+    cfg = regen_config(max_new_tokens=3, shard_size=2, **SAMPLE)
     regenerate(_rows(2), tiny_base, cfg, tmp_path / "r")
     stale = tmp_path / "r" / "shard-00000.jsonl"
     stale.write_text(
@@ -126,7 +119,7 @@ def test_prep_regenerate_end_to_end_tiny(tmp_path):
     stats = prepare(cfg)
     assert stats["regenerated"] is True
     assert not (tmp_path / "out.partial").exists()  # work dir removed once published
-    tok = __import__("train.base", fromlist=["tiny_tokenizer"]).tiny_tokenizer()
+    tok = __import__("train.core.base", fromlist=["tiny_tokenizer"]).tiny_tokenizer()
     for row in datasets.load_from_disk(str(tmp_path / "out"))["train"]:
         assert "ORIGINAL" not in tok.decode(row["input_ids"])
 
@@ -152,7 +145,7 @@ def test_regenerate_a_few_smollm2_conversations(tmp_path):
     )
     prepare(cfg)
     ds = datasets.load_from_disk(str(tmp_path / "o"))["train"]
-    from train.base import load_tokenizer
+    from train.core.base import load_tokenizer
 
     tok = load_tokenizer(cfg.base)
     texts = [

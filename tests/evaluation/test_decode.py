@@ -1,4 +1,4 @@
-"""Speculative decoding on a tiny random Llama: lossless greedy for any heads and tree, deep
+"""Speculative decoding on a tiny_base random Llama: lossless greedy for any heads and tree, deep
 acceptance with an oracle, KV-cache bookkeeping, and the sampling rules' distributions."""
 
 from __future__ import annotations
@@ -11,33 +11,9 @@ from hypothesis import strategies as st
 from evaluation.decode import Decoder, SamplingConfig
 from evaluation.tree import PRESETS, Tree, branching, chain
 from evaluation.verify import accept_greedy, accept_rejection, compact_cache
-from tests.evaluation.test_tree import trees
-from train.heads import HeadConfig, base_shape, build_heads
+from tests.helpers import make_heads, trees
 
 PROMPTS = ["hello there, how are you?", "count: 1 2 3 4", "<|im_start|>user\nhi<|im_end|>\n"]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    from tests.conftest import prep_config
-    from train.base import load_base
-
-    return load_base(prep_config(["base=tiny_random", "out=x"]).base)
-
-
-def make_heads(model, arch: str, seed: int, scale: float, draft: int | None = None):
-    torch.manual_seed(seed)
-    draft_ids = torch.randperm(model.config.vocab_size)[:draft].sort().values if draft else None
-    heads = build_heads(
-        HeadConfig(name=arch, num_heads=4, num_layers=1, draft_vocab_size=draft),
-        base_shape(model.config),
-        model.get_output_embeddings().weight,
-        draft_ids,
-    )
-    with torch.no_grad():  # fresh heads echo the base's next token; noise makes them differ
-        for p in heads.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return heads.eval()
 
 
 def encode(tok, text: str) -> list[int]:
@@ -51,7 +27,7 @@ def encode(tok, text: str) -> list[int]:
     scale=st.sampled_from([0.0, 0.01, 0.3]),
     draft=st.sampled_from([None, 64]),
     prompt=st.sampled_from(PROMPTS),
-    eos_at=st.integers(0, 40),
+    eos_at=st.integers(0, 39),  # an index into the 40 reference tokens
 )
 @settings(
     max_examples=40,
@@ -62,11 +38,11 @@ def encode(tok, text: str) -> list[int]:
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 def test_greedy_speculative_equals_plain_greedy(
-    tiny, paths, arch, seed, scale, draft, prompt, eos_at
+    tiny_base, paths, arch, seed, scale, draft, prompt, eos_at
 ):
-    model = tiny.model
+    model = tiny_base.model
     heads = make_heads(model, arch, seed, scale, draft)
-    ids = encode(tiny.tokenizer, prompt)
+    ids = encode(tiny_base.tokenizer, prompt)
     ref = Decoder(model, set(), heads).plain(ids, 40).tokens
     eos = {ref[eos_at]}  # an EOS somewhere in the middle of the reply
     dec = Decoder(model, eos, heads, Tree.from_paths(paths))
@@ -76,10 +52,10 @@ def test_greedy_speculative_equals_plain_greedy(
     assert spec.steps == len(spec.accepted) and (spec.tau >= 1.0 or spec.steps == 0)
 
 
-def test_plain_decode_matches_transformers_generate(tiny):
-    ids = encode(tiny.tokenizer, PROMPTS[0])
-    ours = Decoder(tiny.model, set()).plain(ids, 30).tokens
-    out = tiny.model.generate(
+def test_plain_decode_matches_transformers_generate(tiny_base):
+    ids = encode(tiny_base.tokenizer, PROMPTS[0])
+    ours = Decoder(tiny_base.model, set()).plain(ids, 30).tokens
+    out = tiny_base.model.generate(
         torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     assert ours == out[0, len(ids) :].tolist()
@@ -106,10 +82,10 @@ class OracleDecoder(Decoder):
 
 
 @pytest.mark.parametrize("true_path", [[0, 0, 0], [2, 1, 0], [1, 0, 1]])
-def test_oracle_heads_accept_full_paths_and_keep_the_right_kv(tiny, true_path):
-    model = tiny.model
+def test_oracle_heads_accept_full_paths_and_keep_the_right_kv(tiny_base, true_path):
+    model = tiny_base.model
     heads = make_heads(model, "hydra_pp", 0, 0.1)
-    ids = encode(tiny.tokenizer, PROMPTS[1])
+    ids = encode(tiny_base.tokenizer, PROMPTS[1])
     ref = Decoder(model, set(), heads).plain(ids, 60).tokens
     tree = Tree.from_paths(branching([3, 2, 2]))
     dec = OracleDecoder(
@@ -122,11 +98,11 @@ def test_oracle_heads_accept_full_paths_and_keep_the_right_kv(tiny, true_path):
     assert gen.tau > 3.5
 
 
-def test_compact_cache_moves_accepted_entries(tiny):
+def test_compact_cache_moves_accepted_entries(tiny_base):
     from evaluation.decode import new_cache
     from evaluation.verify import base_forward
 
-    model = tiny.model
+    model = tiny_base.model
     cache = new_cache(model)
     x = torch.randint(0, 200, (1, 9))
     base_forward(model, x, torch.arange(9)[None], cache)
@@ -138,18 +114,18 @@ def test_compact_cache_moves_accepted_entries(tiny):
         assert torch.equal(layer.keys[:, :, 4:], old[:, :, [4, 6, 8]])
 
 
-def test_empty_tree_is_plain_decoding(tiny):
-    heads = make_heads(tiny.model, "hydra", 0, 0.0)
-    ids = encode(tiny.tokenizer, PROMPTS[0])
-    dec = Decoder(tiny.model, set(), heads, Tree.from_paths(PRESETS["none"]))
+def test_empty_tree_is_plain_decoding(tiny_base):
+    heads = make_heads(tiny_base.model, "hydra", 0, 0.0)
+    ids = encode(tiny_base.tokenizer, PROMPTS[0])
+    dec = Decoder(tiny_base.model, set(), heads, Tree.from_paths(PRESETS["none"]))
     gen = dec.speculative(ids, 12)
     assert gen.tokens == dec.plain(ids, 12).tokens and gen.tau == 1.0
 
 
-def test_prompt_too_long_for_the_model_fails_clearly(tiny):
-    heads = make_heads(tiny.model, "hydra", 0, 0.0)
-    dec = Decoder(tiny.model, set(), heads, Tree.from_paths(chain(4)))
-    n = tiny.model.config.max_position_embeddings
+def test_prompt_too_long_for_the_model_fails_clearly(tiny_base):
+    heads = make_heads(tiny_base.model, "hydra", 0, 0.0)
+    dec = Decoder(tiny_base.model, set(), heads, Tree.from_paths(chain(4)))
+    n = tiny_base.model.config.max_position_embeddings
     with pytest.raises(ValueError, match="exceeds the base model's"):
         dec.speculative([5] * (n - 10), 20)
     with pytest.raises(ValueError, match="empty prompt"):
@@ -169,9 +145,9 @@ def test_greedy_rule_follows_the_matching_child():
 
 def test_sampling_config_rejects_mismatched_rules():
     with pytest.raises(ValueError, match="greedy acceptance is for temperature 0"):
-        SamplingConfig(temperature=0.0, acceptance="rejection")
+        SamplingConfig(temperature=0.0, acceptance="rejection", seed=0)
     with pytest.raises(ValueError, match="choose one of"):
-        SamplingConfig(temperature=1.0, acceptance="nucleus")
+        SamplingConfig(temperature=1.0, acceptance="nucleus", seed=0)
 
 
 def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -229,12 +205,12 @@ class TopKDecoder(Decoder):
         return tokens
 
 
-def test_rejection_sampling_end_to_end_matches_direct_sampling(tiny):
-    """On the tiny model: the second generated token (the first one the tree decides) is
+def test_rejection_sampling_end_to_end_matches_direct_sampling(tiny_base):
+    """On the tiny_base model: the second generated token (the first one the tree decides) is
     distributed like sampling from the base directly, whether a draft or the bonus emits it."""
-    model = tiny.model
+    model = tiny_base.model
     heads = make_heads(model, "hydra", 1, 0.0)
-    ids = encode(tiny.tokenizer, PROMPTS[2])
+    ids = encode(tiny_base.tokenizer, PROMPTS[2])
     T = 0.3
     with torch.no_grad():
         x = torch.tensor([ids])
@@ -257,10 +233,31 @@ def test_rejection_sampling_end_to_end_matches_direct_sampling(tiny):
     assert _chi2_pvalue(counts, p1) < 1e-6  # power: not just the first token's distribution
 
 
-def test_typical_acceptance_runs_and_stays_in_the_typical_set(tiny):
-    heads = make_heads(tiny.model, "hydra", 2, 0.0)
-    ids = encode(tiny.tokenizer, PROMPTS[0])
-    sampling = SamplingConfig(temperature=0.7, acceptance="typical", seed=3)
-    dec = Decoder(tiny.model, set(), heads, Tree.from_paths(PRESETS["sparse_15"]), sampling)
+def test_typical_acceptance_runs_and_stays_in_the_typical_set(tiny_base):
+    """Every emitted token, accepted draft or bonus, lies in the base's typical set at its
+    position: p(x_t) > min(threshold, alpha * e^-H(p)) at temperature T (Medusa's rule)."""
+    from evaluation.verify import typical_threshold
+
+    heads = make_heads(tiny_base.model, "hydra", 2, 0.0)
+    ids = encode(tiny_base.tokenizer, PROMPTS[0])
+    # T=0.2: a third of the base's probability mass lies outside its typical set here
+    T, threshold, alpha = 0.2, 0.09, 0.3
+    sampling = SamplingConfig(
+        temperature=T, acceptance="typical", seed=3, posterior_threshold=threshold,
+        posterior_alpha=alpha,
+    )  # fmt: skip
+    dec = Decoder(tiny_base.model, set(), heads, Tree.from_paths(PRESETS["sparse_15"]), sampling)
     gen = dec.speculative(ids, 30)
     assert len(gen.tokens) == 30 and gen.steps == len(gen.accepted)
+    assert sum(gen.accepted) > 0  # drafts were accepted, not only bonus tokens
+    with torch.no_grad():  # the base's distribution before each emitted token, teacher-forced
+        logits = tiny_base.model(torch.tensor([ids + gen.tokens])).logits[0, len(ids) - 1 : -1]
+    p = torch.softmax(logits.float() / T, -1)
+    thr = typical_threshold(p, threshold, alpha)
+    p_emitted = p[torch.arange(30), torch.tensor(gen.tokens)]
+    # the tree pass and this one-pass forward differ by float rounding only
+    assert bool((p_emitted > thr * (1 - 1e-4)).all()), (p_emitted - thr).min()
+    # and the check has teeth: plain sampling at T leaves the typical set on this model
+    rng = torch.Generator().manual_seed(0)
+    sampled = torch.multinomial(p, 50, replacement=True, generator=rng)  # (30, 50)
+    assert bool((p.gather(1, sampled) <= thr[:, None]).any())

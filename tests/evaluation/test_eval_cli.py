@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from tests.launch.test_cli import run
+from tests.helpers import make_heads, run
 
 
 @pytest.fixture(scope="module")
-def tiny_heads(tmp_path_factory, tiny_prepared) -> Path:
+def tiny_heads(tmp_path_factory, tiny_prepared, tiny_base) -> Path:
     """Hydra++ heads for tiny_random, saved as `hydra-heads train` saves them."""
-    from tests.conftest import prep_config
-    from tests.evaluation.test_decode import make_heads
-    from train.base import load_base
-    from train.checkpoint import heads_meta, save_heads
+    from train.heads import heads_meta, save_heads
 
-    cfg = prep_config(["base=tiny_random", "out=x"]).base
-    base = load_base(cfg)
-    heads = make_heads(base.model, "hydra_pp", 0, 0.01)
-    meta = heads_meta(heads, base.fingerprint(), asdict(cfg))
+    heads = make_heads(tiny_base.model, "hydra_pp", 0, 0.01)
+    meta = heads_meta(heads, tiny_base.fingerprint(), tiny_base.cfg.to_dict())
     meta["training"] = {"steps": 0, "prepared": str(tiny_prepared)}
     return save_heads(tmp_path_factory.mktemp("heads") / "heads", heads, meta)
 

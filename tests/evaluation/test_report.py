@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from evaluation.report import ReportConfig, ReportError, build_report
+from evaluation.report import ReportError, build_report
 from tests.browser import check_page, chromium_path
-from tests.launch.test_cli import run
+from tests.helpers import report_config, run
 
 
 def make_run(
@@ -67,7 +67,7 @@ def two_runs(tmp_path) -> list[Path]:
 
 
 def test_report_figures_order_and_diff(two_runs, tmp_path):
-    rep = build_report(ReportConfig(runs=[str(p) for p in two_runs], out=str(tmp_path / "r")))
+    rep = build_report(report_config([str(p) for p in two_runs], str(tmp_path / "r")))
     lb = rep.data["leaderboard"]
     assert [r["name"] for r in lb] == ["fast", "slow"]  # by tau
     fast = next(r for r in rep.data["runs"] if r["name"] == "fast")
@@ -79,7 +79,7 @@ def test_report_figures_order_and_diff(two_runs, tmp_path):
     # only what differs: the head and the lr (out dirs are ignored)
     assert set(rep.data["config_diff"]) == {"head.name", "optim.lr"}
     by_speed = build_report(
-        ReportConfig(runs=[str(p) for p in two_runs], out=str(tmp_path / "s"), sort_by="speedup")
+        report_config([str(p) for p in two_runs], str(tmp_path / "s"), sort_by="speedup")
     )
     assert [r["name"] for r in by_speed.data["leaderboard"]] == ["slow", "fast"]
     names = {f.name for f in rep.files}
@@ -95,23 +95,23 @@ def test_report_figures_order_and_diff(two_runs, tmp_path):
 def test_eval_only_run_and_clear_errors(tmp_path):
     only_eval = make_run(tmp_path, "e", tau=1.2, speedup=0.9, top1=[0.2, 0.1], lr=1e-3,
                          with_train=False)  # fmt: skip
-    rep = build_report(ReportConfig(runs=[str(only_eval / "eval")], out=str(tmp_path / "r")))
+    rep = build_report(report_config([str(only_eval / "eval")], str(tmp_path / "r")))
     assert rep.data["runs"][0]["tau"] == 1.2 and rep.data["runs"][0]["tau_est"] is None
     assert "loss_curves" not in rep.data["plots"]
     with pytest.raises(ReportError, match="does not exist"):
-        build_report(ReportConfig(runs=[str(tmp_path / "nope")], out=str(tmp_path / "x")))
+        build_report(report_config([str(tmp_path / "nope")], str(tmp_path / "x")))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ReportError, match="neither eval.json nor train_summary.json"):
-        build_report(ReportConfig(runs=[str(tmp_path / "empty")], out=str(tmp_path / "x")))
+        build_report(report_config([str(tmp_path / "empty")], str(tmp_path / "x")))
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     (sweep / "sweep.json").write_text(json.dumps({"points": [{"name": "a", "status": "failed"}]}))
     with pytest.raises(ReportError, match="no finished point"):
-        build_report(ReportConfig(runs=[str(sweep)], out=str(tmp_path / "x")))
+        build_report(report_config([str(sweep)], str(tmp_path / "x")))
     bad = make_run(tmp_path, "bad", tau=1.2, speedup=0.9, top1=[0.2, 0.1], lr=1e-3)
     (bad / "eval" / "eval.json").write_text("{not json")
     with pytest.raises(ReportError, match="cannot read .*eval.json"):
-        build_report(ReportConfig(runs=[str(bad)], out=str(tmp_path / "x")))
+        build_report(report_config([str(bad)], str(tmp_path / "x")))
 
 
 def test_report_cli(two_runs, tmp_path):
@@ -129,7 +129,7 @@ def test_report_cli(two_runs, tmp_path):
     chromium_path() is None, reason="chromium not installed (apt-get install chromium)"
 )
 def test_report_html_renders_in_a_browser(two_runs, tmp_path):
-    rep = build_report(ReportConfig(runs=[str(p) for p in two_runs], out=str(tmp_path / "r")))
+    rep = build_report(report_config([str(p) for p in two_runs], str(tmp_path / "r")))
     shot = tmp_path / "r" / "screenshot.png"
     page = check_page(tmp_path / "r" / "report.html", screenshot=shot)
     assert page.errors == []
@@ -150,9 +150,7 @@ def test_names_noise_nan_and_missing_training(tmp_path):
     data = json.loads(summary.read_text())
     data["validation"]["val/loss"] = float("nan")  # a diverged run
     summary.write_text(json.dumps(data))
-    rep = build_report(
-        ReportConfig(runs=[str(a / "eval"), str(b), str(b)], out=str(tmp_path / "r"))
-    )
+    rep = build_report(report_config([str(a / "eval"), str(b), str(b)], str(tmp_path / "r")))
     assert [r["name"] for r in rep.data["runs"]] == ["run", "run-2", "run-3"]  # eval/ -> its run
     assert rep.data["config_diff"] == {}
     assert rep.data["runs"][0]["val_loss"] is None
@@ -160,6 +158,6 @@ def test_names_noise_nan_and_missing_training(tmp_path):
     # an eval whose heads moved away keeps its eval figures and says what is missing
     ev = json.loads((b / "eval" / "eval.json").read_text())
     (b / "eval" / "eval.json").write_text(json.dumps({**ev, "heads": "/gone/heads"}))
-    rep = build_report(ReportConfig(runs=[str(b / "eval")], out=str(tmp_path / "s")))
+    rep = build_report(report_config([str(b / "eval")], str(tmp_path / "s")))
     assert rep.data["runs"][0]["tau"] == 1.6 and "train" not in rep.data["runs"][0]
     assert "no training run found" in (tmp_path / "s" / "report.md").read_text()

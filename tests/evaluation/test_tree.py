@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from evaluation.tree import (
     MC_SIM_7B_63,
@@ -17,6 +16,7 @@ from evaluation.tree import (
     expected_length,
     grow,
 )
+from tests.helpers import trees
 
 
 def test_mask_positions_and_retrieve_of_a_small_tree():
@@ -85,21 +85,6 @@ def test_save_and_load_round_trip(tmp_path):
         Tree.load(tmp_path / "bad.json")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Tree.load(tmp_path / "missing.json")
-
-
-@st.composite
-def trees(draw, max_depth=4, max_nodes=30):
-    paths: list[tuple[int, ...]] = []
-    frontier: list[tuple[int, ...]] = [()]
-    for _ in range(draw(st.integers(0, max_nodes))):
-        parent = draw(st.sampled_from(frontier))
-        used = {p[-1] for p in paths if p[:-1] == parent}
-        rank = draw(st.integers(0, 6).filter(lambda r, used=used: r not in used))
-        node = (*parent, rank)
-        paths.append(node)
-        if len(node) < max_depth:
-            frontier.append(node)
-    return [list(p) for p in paths]
 
 
 @given(trees())

@@ -6,21 +6,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import yaml
 
-from tests.conftest import GOOD
-
-CLI = [str(Path(sys.executable).parent / "hydra-heads")]
-
-
-def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("WANDB_MODE", None)  # the CLI itself must pick offline mode without an API key
-    return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
-    )
+from tests.helpers import GOOD, run
 
 
 def test_help_lists_subcommands():
@@ -83,7 +72,7 @@ def test_prep_via_cli_writes_dataset_stats_and_resolved_config(tmp_path):
 
 def test_python_dash_m_entry_points(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "data_prep", "base=tiny_random", "out=x", "--cfg", "job"],
+        [sys.executable, "-m", "launch", "prep", "base=tiny_random", "out=x", "--cfg", "job"],
         capture_output=True,
         text=True,
         timeout=120,

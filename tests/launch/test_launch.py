@@ -4,13 +4,13 @@ submission to a one-node SLURM cluster on localhost (.ci/run starts it)."""
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 
 import pytest
 
-from launch.launchers import SlurmLauncher, sbatch_script, train_overrides
-from tests.launch.test_cli import run
+from launch.config import SlurmLauncher
+from launch.launchers import sbatch_script, train_overrides
+from tests.helpers import run, slurm_up
+from train.core.config import from_group
 
 TRAIN = ["out=/tmp/job", "data.prepared=/tmp/p"]
 
@@ -91,19 +91,15 @@ def test_override_filter_and_cpu_script():
         ]
     ) == ["head=hydra", "+x.y=1"]
     s = sbatch_script(
-        SlurmLauncher(nodes=1, tasks_per_node=2, gpus_per_node=0), ["a=1"], "/o", "/w"
+        from_group(SlurmLauncher, "launcher", "slurm", nodes=1, tasks_per_node=2, gpus_per_node=0),
+        ["a=1"],
+        "/o",
+        "/w",
     )
     assert "--gpus-per-node" not in s and "#SBATCH --chdir=/w" in s
 
 
-def _slurm_up() -> bool:
-    if not shutil.which("sbatch"):
-        return False
-    r = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
-    return "is UP" in r.stdout
-
-
-@pytest.mark.skipif(not _slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
+@pytest.mark.skipif(not slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
 def test_real_slurm_job_trains_with_two_tasks(tiny_prepared, tmp_path):
     out = tmp_path / "job"
     r = run(
@@ -134,7 +130,7 @@ def test_real_slurm_job_trains_with_two_tasks(tiny_prepared, tmp_path):
     assert list(out.glob("slurm-*.out")) and (out / "launch.sbatch").is_file()
 
 
-@pytest.mark.skipif(not _slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
+@pytest.mark.skipif(not slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
 def test_sweep_points_run_as_slurm_jobs_through_submitit(tiny_prepared, tmp_path):
     """`hydra-heads train -m ... hydra/launcher=submitit_slurm`: one SLURM job per point."""
     r = run(

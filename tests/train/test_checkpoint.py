@@ -14,37 +14,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import train_config
-from train.base import BaseConfig, load_base
-from train.checkpoint import HeadsMismatchError, heads_meta, load_heads, save_heads
-from train.heads import HeadConfig, base_shape, build_heads
+from tests.helpers import head_config, train_config
+from train.core.checkpoint import HeadsMismatchError
+from train.heads import base_shape, build_heads, heads_meta, load_heads, save_heads
 
 CLI = str(Path(sys.executable).parent / "hydra-heads")
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_base(BaseConfig(name="tiny_random", source="tiny_random"))
-
-
 @pytest.mark.parametrize("name", ["medusa", "hydra", "hydra_pp"])
-def test_save_load_round_trip(tmp_path, tiny, name):
+def test_save_load_round_trip(tmp_path, tiny_base, name):
     draft = torch.arange(0, 259, 3)
     heads = build_heads(
-        HeadConfig(name=name, num_heads=3, num_layers=2, draft_vocab_size=87),
-        base_shape(tiny.config),
-        tiny.lm_head.weight,
+        head_config(name, num_heads=3, num_layers=2, draft_vocab_size=87),
+        base_shape(tiny_base.config),
+        tiny_base.lm_head.weight,
         draft,
     )
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    save_heads(tmp_path / "h", heads, heads_meta(heads, tiny.fingerprint(), {"name": "tiny"}))
+    save_heads(tmp_path / "h", heads, heads_meta(heads, tiny_base.fingerprint(), {"name": "tiny"}))
     assert {p.name for p in (tmp_path / "h").iterdir()} == {
         "heads.safetensors",
         "heads_config.json",
     }
-    loaded, meta = load_heads(tmp_path / "h", tiny.fingerprint())
+    loaded, meta = load_heads(tmp_path / "h", tiny_base.fingerprint())
     assert meta["arch"] == name and meta["draft_vocab_size"] == 87
     x = torch.randn(1, 6, 64)
     e = torch.randn(1, 6, 64)
@@ -54,12 +48,12 @@ def test_save_load_round_trip(tmp_path, tiny, name):
     assert torch.equal(loaded.draft.to_full, draft)
 
 
-def test_loading_onto_another_base_names_both_shapes(tmp_path, tiny):
+def test_loading_onto_another_base_names_both_shapes(tmp_path, tiny_base):
     heads = build_heads(
-        HeadConfig(name="hydra", num_heads=2), base_shape(tiny.config), tiny.lm_head.weight
+        head_config("hydra", num_heads=2), base_shape(tiny_base.config), tiny_base.lm_head.weight
     )
-    save_heads(tmp_path / "h", heads, heads_meta(heads, tiny.fingerprint(), {"name": "tiny"}))
-    other = dict(tiny.fingerprint(), hidden_size=576, vocab_size=49152, name="smollm2_135m")
+    save_heads(tmp_path / "h", heads, heads_meta(heads, tiny_base.fingerprint(), {"name": "tiny"}))
+    other = dict(tiny_base.fingerprint(), hidden_size=576, vocab_size=49152, name="smollm2_135m")
     with pytest.raises(HeadsMismatchError) as e:
         load_heads(tmp_path / "h", other)
     msg = str(e.value)
@@ -170,7 +164,7 @@ def test_resume_without_checkpoints_and_rerun_without_resume_fail_clearly(tiny_p
 def test_resume_auto_starts_fresh_then_continues(tiny_prepared, tmp_path):
     """resume=auto (what a requeued SLURM job runs): no checkpoint -> a new run; checkpoints,
     including Lightning's SLURM hpc_ckpt_N.ckpt in <out> -> continue from the newest."""
-    from tests.launch.test_cli import run
+    from tests.helpers import run
 
     out = tmp_path / "run"
     common = [

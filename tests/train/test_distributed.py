@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.launch.test_cli import run
+from tests.helpers import run
 
 pytestmark = pytest.mark.slow
 
@@ -80,9 +80,9 @@ def test_deepspeed_on_cpu_trains_like_one_process(tiny_prepared, tmp_path, one_p
     else:
         assert share["fraction"] == 1.0, share
     # the consolidated heads load like any other checkpoint
-    from tests.conftest import prep_config
-    from train.base import load_base
-    from train.checkpoint import load_heads
+    from tests.helpers import prep_config
+    from train.core.base import load_base
+    from train.core.checkpoint import load_heads
 
     base = load_base(prep_config(["base=tiny_random", "out=x"]).base)
     loaded, meta = load_heads(out / "heads", base.fingerprint())
@@ -93,8 +93,8 @@ def test_deepspeed_on_cpu_trains_like_one_process(tiny_prepared, tmp_path, one_p
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny_random base saved as an ordinary safetensors model directory."""
-    from tests.conftest import prep_config
-    from train.base import load_base
+    from tests.helpers import prep_config
+    from train.core.base import load_base
 
     d = tmp_path_factory.mktemp("tiny_model")
     base = load_base(prep_config(["base=tiny_random", "out=x"]).base)
@@ -118,9 +118,9 @@ def test_zero3_builds_a_pretrained_base_sharded(
     assert 0.45 < summary["base_params_on_rank0"]["fraction"] < 0.55, summary
     assert _max_diff(heads, one_process) < 1e-5
     # the deferred fingerprint (from a meta skeleton) is the loaded model's own
-    from tests.conftest import prep_config
-    from train.base import load_base
-    from train.checkpoint import load_heads
+    from tests.helpers import prep_config
+    from train.core.base import load_base
+    from train.core.checkpoint import load_heads
 
     base = load_base(prep_config(["base=tiny_random", "out=x", *as_dir]).base)
     _, meta = load_heads(out / "heads", base.fingerprint())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -11,33 +10,27 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tests.launch.test_cli import run
-from train.base import BaseConfig, load_base
-from train.checkpoint import HeadsMismatchError, heads_meta, load_heads, save_heads
-from train.config import ConfigError
+from tests.helpers import base_config, head_config, run
+from train.core.checkpoint import HeadsMismatchError
+from train.core.errors import ConfigError
 from train.export import FormatError, export_heads, import_heads
-from train.heads import HeadConfig, base_shape, build_heads
+from train.heads import base_shape, build_heads, heads_meta, load_heads, save_heads
 
-TINY = BaseConfig(name="tiny_random", source="tiny_random")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_base(TINY)
+TINY = base_config("tiny_random", name="tiny_random")
 
 
-def make(tmp: Path, tiny, arch: str, *, draft=None, layers=1, offset=0, tie=False, seed=0):
+def make(tmp: Path, tiny_base, arch: str, *, draft=None, layers=1, offset=0, tie=False, seed=0):
     """Perturbed heads saved as `hydra-heads train` saves them: (heads, heads dir)."""
     torch.manual_seed(seed)
-    ids = torch.randperm(tiny.vocab_size)[:draft].sort().values if draft else None
-    cfg = HeadConfig(
-        name=arch,
+    ids = torch.randperm(tiny_base.vocab_size)[:draft].sort().values if draft else None
+    cfg = head_config(
+        arch,
         num_heads=3,
         num_layers=layers,
         draft_vocab_size=draft,
         hidden_state_offset=offset,
     )
-    heads = build_heads(cfg, base_shape(tiny.config), tiny.lm_head.weight, ids)
+    heads = build_heads(cfg, base_shape(tiny_base.config), tiny_base.lm_head.weight, ids)
     with torch.no_grad():  # fresh heads all echo the base; noise makes every head its own
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -46,7 +39,7 @@ def make(tmp: Path, tiny, arch: str, *, draft=None, layers=1, offset=0, tie=Fals
             for mlp in heads.mlps:
                 for block in list(mlp)[first + 1 :]:
                     block.load_state_dict(mlp[first].state_dict())
-    meta = heads_meta(heads, tiny.fingerprint(), asdict(TINY))
+    meta = heads_meta(heads, tiny_base.fingerprint(), TINY.to_dict())
     meta["training"] = {"steps": 7, "prepared": "/data/p"}
     return heads.eval(), save_heads(tmp / f"{arch}-{draft}-{layers}" / "heads", heads, meta)
 
@@ -80,19 +73,21 @@ def assert_same_proposals(a, b, embed: nn.Module) -> None:
         ("medusa", "medusa", 50, 1, False),  # vLLM truncated vocab + token_map
     ],
 )
-def test_export_import_round_trip_keeps_proposals(tmp_path, tiny, fmt, arch, draft, layers, tie):
-    heads, hdir = make(tmp_path, tiny, arch, draft=draft, layers=layers, tie=tie)
+def test_export_import_round_trip_keeps_proposals(
+    tmp_path, tiny_base, fmt, arch, draft, layers, tie
+):
+    heads, hdir = make(tmp_path, tiny_base, arch, draft=draft, layers=layers, tie=tie)
     export_heads(hdir, fmt, tmp_path / "x")
     res = import_heads(tmp_path / "x", fmt, None if fmt == "hf" else TINY, tmp_path / "back")
     assert (res["arch"], res["num_layers"], res["draft_vocab_size"]) == (arch, layers, draft)
-    back, meta = load_heads(tmp_path / "back", tiny.fingerprint())
+    back, meta = load_heads(tmp_path / "back", tiny_base.fingerprint())
     assert meta["imported"]["format"] == fmt and meta["base"]["config"]["name"] == "tiny_random"
     assert back.state_dict().keys() == heads.state_dict().keys()
-    assert_same_proposals(heads, back, tiny.embed_tokens)
+    assert_same_proposals(heads, back, tiny_base.embed_tokens)
 
 
-def test_hf_export_is_a_heads_checkpoint_with_a_model_card(tmp_path, tiny):
-    heads, hdir = make(tmp_path, tiny, "hydra_pp", draft=40)
+def test_hf_export_is_a_heads_checkpoint_with_a_model_card(tmp_path, tiny_base):
+    heads, hdir = make(tmp_path, tiny_base, "hydra_pp", draft=40)
     ev = {
         "heads": str(hdir),
         "arch": "hydra_pp",
@@ -129,9 +124,9 @@ def test_hf_export_is_a_heads_checkpoint_with_a_model_card(tmp_path, tiny):
     assert "| 3 | 0.250 | 0.500 |" in card and "12 nodes, depth 3" in card
     assert "40 most frequent" in card
     # our own eval's loader reads the directory as it is
-    loaded, meta = load_heads(out, tiny.fingerprint())
+    loaded, meta = load_heads(out, tiny_base.fingerprint())
     assert meta["training"]["steps"] == 7
-    assert_same_proposals(heads, loaded, tiny.embed_tokens)
+    assert_same_proposals(heads, loaded, tiny_base.embed_tokens)
     # and an import keeps what training recorded
     import_heads(out, "hf", None, tmp_path / "back")
     _, back_meta = load_heads(tmp_path / "back")
@@ -139,8 +134,8 @@ def test_hf_export_is_a_heads_checkpoint_with_a_model_card(tmp_path, tiny):
     assert {k: v for k, v in back_meta.items() if k != "imported"} == meta
 
 
-def test_model_card_takes_only_an_eval_of_these_heads(tmp_path, tiny):
-    heads, hdir = make(tmp_path, tiny, "medusa")
+def test_model_card_takes_only_an_eval_of_these_heads(tmp_path, tiny_base):
+    heads, hdir = make(tmp_path, tiny_base, "medusa")
     other = {"heads": "/elsewhere/heads", "arch": "medusa", "num_heads": 3, "tau": 9.0}
     (hdir.parent / "eval.json").write_text(json.dumps(other))
     res = export_heads(hdir, "hf", tmp_path / "hf")
@@ -192,8 +187,8 @@ class ZanknerHydraMLP(nn.Module):
 
 
 @pytest.mark.parametrize(("arch", "layers"), [("hydra", 3), ("medusa", 2)])
-def test_hydra_export_loads_into_zankner_hydra_layout(tmp_path, tiny, arch, layers):
-    heads, hdir = make(tmp_path, tiny, arch, layers=layers, tie=True, offset=1)
+def test_hydra_export_loads_into_zankner_hydra_layout(tmp_path, tiny_base, arch, layers):
+    heads, hdir = make(tmp_path, tiny_base, arch, layers=layers, tie=True, offset=1)
     export_heads(hdir, "hydra", tmp_path / "x", base_model="lmsys/vicuna-7b-v1.3")
     cfg = json.loads((tmp_path / "x" / "config.json").read_text())
     assert cfg == {
@@ -204,16 +199,18 @@ def test_hydra_export_loads_into_zankner_hydra_layout(tmp_path, tiny, arch, laye
         "hidden_state_offset": 1,
         "base_model_name_or_path": "lmsys/vicuna-7b-v1.3",
     }
-    theirs = ZanknerHydraMLP(64, tiny.vocab_size, 3, layers, arch == "hydra", tiny.embed_tokens)
+    theirs = ZanknerHydraMLP(
+        64, tiny_base.vocab_size, 3, layers, arch == "hydra", tiny_base.embed_tokens
+    )
     state = torch.load(tmp_path / "x" / "hydra_lm_head.pt", weights_only=True)
     # their loader is non-strict; only the base embedding may be missing, nothing left over
     missing, unexpected = theirs.load_state_dict(state, strict=False)
     assert missing == ["input_embed_fn.weight"] and unexpected == []
     ctx = torch.randn(5, 64)
     for k in range(3):
-        path = torch.randint(0, tiny.vocab_size, (5, k + 1))
+        path = torch.randint(0, tiny_base.vocab_size, (5, k + 1))
         with torch.no_grad():
-            want = heads.step(k, ctx, path, tiny.embed_tokens)
+            want = heads.step(k, ctx, path, tiny_base.embed_tokens)
             got = theirs.logits(k, ctx, path)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert torch.equal(got.topk(5).indices, want.topk(5).indices)
@@ -244,17 +241,17 @@ class FasterDecodingResBlock(nn.Module):
 
 
 @pytest.mark.parametrize("draft", [None, 50])
-def test_medusa_export_loads_into_vllm_and_tensorrt_llm_layouts(tmp_path, tiny, draft):
-    heads, hdir = make(tmp_path, tiny, "medusa", draft=draft, layers=2)
+def test_medusa_export_loads_into_vllm_and_tensorrt_llm_layouts(tmp_path, tiny_base, draft):
+    heads, hdir = make(tmp_path, tiny_base, "medusa", draft=draft, layers=2)
     export_heads(hdir, "medusa", tmp_path / "x")
     out = tmp_path / "x"
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["MedusaModel"] and cfg["model_type"] == "medusa"
     assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["hidden_size"]) == (3, 2, 64)
     assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"]) == (3, 2)
-    assert cfg["vocab_size"] == tiny.vocab_size and cfg["medusa_fc_bias"] is True
+    assert cfg["vocab_size"] == tiny_base.vocab_size and cfg["medusa_fc_bias"] is True
     assert cfg.get("truncated_vocab_size") == draft
-    rows = draft or tiny.vocab_size
+    rows = draft or tiny_base.vocab_size
     vllm = nn.Module()
     vllm.blocks = nn.ModuleList(VllmResidualBlock(64, 2) for _ in range(3))
     vllm.lm_heads = nn.ModuleList(nn.Linear(64, rows, bias=False) for _ in range(3))
@@ -264,11 +261,11 @@ def test_medusa_export_loads_into_vllm_and_tensorrt_llm_layouts(tmp_path, tiny, 
     vllm.load_state_dict(state, strict=True)
     ctx = torch.randn(5, 64)
     for k in range(3):
-        want = heads.step(k, ctx, torch.zeros(5, k + 1, dtype=torch.long), tiny.embed_tokens)
+        want = heads.step(k, ctx, torch.zeros(5, k + 1, dtype=torch.long), tiny_base.embed_tokens)
         with torch.no_grad():
             logits = vllm.lm_heads[k](vllm.blocks[k](ctx))
         if token_map is not None:  # vLLM scatters draft logits into the full vocab like this
-            full = torch.full((5, tiny.vocab_size), float("-inf"))
+            full = torch.full((5, tiny_base.vocab_size), float("-inf"))
             full[:, token_map] = logits
             logits = full
         torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
@@ -286,13 +283,15 @@ def test_medusa_export_loads_into_vllm_and_tensorrt_llm_layouts(tmp_path, tiny, 
         )
         fd.load_state_dict(load_file(str(trt)), strict=True)
         for k in range(3):
-            want = heads.step(k, ctx, torch.zeros(5, k + 1, dtype=torch.long), tiny.embed_tokens)
+            want = heads.step(
+                k, ctx, torch.zeros(5, k + 1, dtype=torch.long), tiny_base.embed_tokens
+            )
             with torch.no_grad():
                 torch.testing.assert_close(fd[k](ctx), want, rtol=1e-5, atol=1e-5)
 
 
-def test_import_reads_fasterdecoding_medusa_pt(tmp_path, tiny):
-    heads, hdir = make(tmp_path, tiny, "medusa", layers=1)
+def test_import_reads_fasterdecoding_medusa_pt(tmp_path, tiny_base):
+    heads, hdir = make(tmp_path, tiny_base, "medusa", layers=1)
     export_heads(hdir, "medusa", tmp_path / "x")
     src = tmp_path / "fd"
     src.mkdir()
@@ -300,8 +299,8 @@ def test_import_reads_fasterdecoding_medusa_pt(tmp_path, tiny):
     torch.save(state, src / "medusa_lm_head.pt")
     (src / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
     import_heads(src, "medusa", TINY, tmp_path / "back")
-    back, _ = load_heads(tmp_path / "back", tiny.fingerprint())
-    assert_same_proposals(heads, back, tiny.embed_tokens)
+    back, _ = load_heads(tmp_path / "back", tiny_base.fingerprint())
+    assert_same_proposals(heads, back, tiny_base.embed_tokens)
 
 
 # -- refusals ------------------------------------------------------------------------------
@@ -318,16 +317,16 @@ def test_import_reads_fasterdecoding_medusa_pt(tmp_path, tiny):
         ("medusa", {"offset": 1}, "medusa", "last (post-norm) hidden state"),
     ],
 )
-def test_unsupported_exports_are_refused_clearly(tmp_path, tiny, arch, kw, fmt, message):
-    _, hdir = make(tmp_path, tiny, arch, **kw)
+def test_unsupported_exports_are_refused_clearly(tmp_path, tiny_base, arch, kw, fmt, message):
+    _, hdir = make(tmp_path, tiny_base, arch, **kw)
     with pytest.raises(FormatError, match=r"cannot be exported as format=" + fmt) as e:
         export_heads(hdir, fmt, tmp_path / "x")
     assert message in str(e.value) and "format=hf" in str(e.value)
     assert not (tmp_path / "x").exists()
 
 
-def test_import_refuses_what_our_heads_cannot_hold(tmp_path, tiny):
-    _, hdir = make(tmp_path, tiny, "hydra", layers=1)
+def test_import_refuses_what_our_heads_cannot_hold(tmp_path, tiny_base):
+    _, hdir = make(tmp_path, tiny_base, "hydra", layers=1)
     export_heads(hdir, "hydra", tmp_path / "x")
     pt = tmp_path / "x" / "hydra_lm_head.pt"
     state = torch.load(pt, weights_only=True)
@@ -361,8 +360,8 @@ def test_import_onto_another_base_names_both_shapes(tmp_path):
     assert "hidden_size=64, vocab_size=259" in msg
 
 
-def test_out_is_never_an_input_or_silently_replaced(tmp_path, tiny):
-    _, hdir = make(tmp_path, tiny, "medusa")
+def test_out_is_never_an_input_or_silently_replaced(tmp_path, tiny_base):
+    _, hdir = make(tmp_path, tiny_base, "medusa")
     with pytest.raises(ConfigError, match="'out'.*would replace the input"):
         export_heads(hdir, "hf", hdir.parent, overwrite=True)
     (tmp_path / "x").mkdir()
@@ -374,8 +373,8 @@ def test_out_is_never_an_input_or_silently_replaced(tmp_path, tiny):
 
 
 # -- the real commands ---------------------------------------------------------------------
-def test_cli_export_import_and_refusals(tmp_path, tiny):
-    heads, hdir = make(tmp_path, tiny, "medusa", draft=50)
+def test_cli_export_import_and_refusals(tmp_path, tiny_base):
+    heads, hdir = make(tmp_path, tiny_base, "medusa", draft=50)
     r = run("export", f"heads={hdir}", "format=medusa", f"out={tmp_path / 'm'}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "exported medusa heads as format=medusa" in r.stdout and "token_map" in r.stdout
@@ -388,10 +387,10 @@ def test_cli_export_import_and_refusals(tmp_path, tiny):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "imported 3 x 1 medusa heads (draft vocab 50)" in r.stdout
-    back, _ = load_heads(tmp_path / "i", tiny.fingerprint())
-    assert_same_proposals(heads, back, tiny.embed_tokens)
+    back, _ = load_heads(tmp_path / "i", tiny_base.fingerprint())
+    assert_same_proposals(heads, back, tiny_base.embed_tokens)
 
-    _, hydra_dir = make(tmp_path, tiny, "hydra")
+    _, hydra_dir = make(tmp_path, tiny_base, "hydra")
     r = run("export", f"heads={hydra_dir}", "format=medusa", f"out={tmp_path / 'bad'}")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "no engine runs sequentially dependent heads" in r.stderr
@@ -401,12 +400,12 @@ def test_cli_export_import_and_refusals(tmp_path, tiny):
 
 
 @pytest.mark.parametrize(("grounded", "layers"), [(True, 2), (False, 1)])
-def test_import_of_a_zankner_checkpoint_with_trained_biases(tmp_path, tiny, grounded, layers):
+def test_import_of_a_zankner_checkpoint_with_trained_biases(tmp_path, tiny_base, grounded, layers):
     """What their training leaves: every nn.Linear with a (random, then trained) bias. It
     imports as head.bias=true heads that propose exactly what their HydraMLP proposes, and
     exports back to the same tensors."""
     torch.manual_seed(3)
-    theirs = ZanknerHydraMLP(64, tiny.vocab_size, 3, layers, grounded, tiny.embed_tokens)
+    theirs = ZanknerHydraMLP(64, tiny_base.vocab_size, 3, layers, grounded, tiny_base.embed_tokens)
     src = tmp_path / "zankner"
     src.mkdir()
     state = {k: v for k, v in theirs.state_dict().items() if k != "input_embed_fn.weight"}
@@ -417,16 +416,16 @@ def test_import_of_a_zankner_checkpoint_with_trained_biases(tmp_path, tiny, grou
         "base_model_name_or_path": "lmsys/vicuna-7b-v1.3",
     }))  # fmt: skip
     import_heads(src, "hydra", TINY, tmp_path / "ours")
-    from train.checkpoint import load_heads
+    from train.heads import load_heads
 
-    ours, meta = load_heads(tmp_path / "ours", tiny.fingerprint())
+    ours, meta = load_heads(tmp_path / "ours", tiny_base.fingerprint())
     assert meta["head"]["bias"] is True and ours.arch == ("hydra" if grounded else "medusa")
     ctx = torch.randn(5, 64)
     for k in range(3):
-        path = torch.randint(0, tiny.vocab_size, (5, k + 1))
+        path = torch.randint(0, tiny_base.vocab_size, (5, k + 1))
         with torch.no_grad():
             want = theirs.logits(k, ctx, path)
-            got = ours.step(k, ctx, path, tiny.embed_tokens)
+            got = ours.step(k, ctx, path, tiny_base.embed_tokens)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     export_heads(tmp_path / "ours", "hydra", tmp_path / "again")
     again = torch.load(tmp_path / "again" / "hydra_lm_head.pt", weights_only=True)

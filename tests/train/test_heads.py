@@ -5,22 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.base import BaseConfig, load_base
-from train.heads import HEADS, HeadConfig, KVCache, base_shape, build_heads
+from tests.helpers import head_config
+from train.heads import HEADS, KVCache, base_shape, build_heads
 from train.heads.blocks import ResBlock
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_base(BaseConfig(name="tiny_random", source="tiny_random"))
-
-
-def make(tiny, name, draft=None, **kw):
+def make(tiny_base, name, draft=None, **kw):
     torch.manual_seed(0)
     heads = build_heads(
-        HeadConfig(name=name, num_heads=3, num_layers=2, **kw),
-        base_shape(tiny.config),
-        tiny.lm_head.weight,
+        head_config(name, num_heads=3, num_layers=2, **kw),
+        base_shape(tiny_base.config),
+        tiny_base.lm_head.weight,
         draft,
     )
     with torch.no_grad():  # random weights: a zero-initialised head would hide wiring bugs
@@ -30,70 +25,70 @@ def make(tiny, name, draft=None, **kw):
 
 
 @pytest.mark.parametrize("name", sorted(HEADS))
-def test_fresh_heads_start_as_the_base_lm_head(tiny, name):
+def test_fresh_heads_start_as_the_base_lm_head(tiny_base, name):
     heads = build_heads(
-        HeadConfig(name=name, num_heads=3), base_shape(tiny.config), tiny.lm_head.weight
+        head_config(name, num_heads=3), base_shape(tiny_base.config), tiny_base.lm_head.weight
     )
     h = torch.randn(2, 7, 64)
     states = heads(h, torch.randn(2, 7, 64))
     assert len(states) == 3
     for k, s in enumerate(states):
         assert torch.allclose(s, h, atol=1e-6)
-        assert torch.equal(heads.lm_heads[k].weight, tiny.lm_head.weight)
+        assert torch.equal(heads.lm_heads[k].weight, tiny_base.lm_head.weight)
 
 
 @pytest.mark.parametrize("name", sorted(HEADS))
-def test_layers_are_distinct_modules(tiny, name):
+def test_layers_are_distinct_modules(tiny_base, name):
     heads = build_heads(
-        HeadConfig(name=name, num_heads=2, num_layers=3),
-        base_shape(tiny.config),
-        tiny.lm_head.weight,
+        head_config(name, num_heads=2, num_layers=3),
+        base_shape(tiny_base.config),
+        tiny_base.lm_head.weight,
     )
     blocks = [m for m in heads.modules() if isinstance(m, ResBlock)]
     assert len(blocks) == 6 and len({id(b.linear.weight) for b in blocks}) == 6
 
 
 @pytest.mark.parametrize("name", sorted(HEADS))
-def test_causality(tiny, name):
+def test_causality(tiny_base, name):
     """Head k at position t never depends on tokens after x_{t+k} or hidden states after t."""
-    heads = make(tiny, name)
+    heads = make(tiny_base, name)
     T = 12
     torch.manual_seed(1)
     ids = torch.randint(0, 250, (1, T))
     hidden = torch.randn(1, T, 64)
-    base = heads(hidden, tiny.embed_tokens(ids))
+    base = heads(hidden, tiny_base.embed_tokens(ids))
     for k in range(1, 4):
         for t in range(0, T - k - 1):
             ids2, hid2 = ids.clone(), hidden.clone()
             ids2[0, t + k + 1 :] = (ids2[0, t + k + 1 :] + 7) % 250
             hid2[0, t + 1 :] = torch.randn_like(hid2[0, t + 1 :])
-            out = heads(hid2, tiny.embed_tokens(ids2))[k - 1]
+            out = heads(hid2, tiny_base.embed_tokens(ids2))[k - 1]
             assert torch.allclose(out[0, t], base[k - 1][0, t], atol=1e-5), (k, t)
             # ...and Hydra heads do read the last token of their path, x_{t+k}.
             ids3 = ids.clone()
             ids3[0, t + k] = (ids3[0, t + k] + 1) % 250
-            out3 = heads(hidden, tiny.embed_tokens(ids3))[k - 1]
+            out3 = heads(hidden, tiny_base.embed_tokens(ids3))[k - 1]
             assert heads.uses_path == (not torch.allclose(out3[0, t], base[k - 1][0, t])), (k, t)
 
 
 @pytest.mark.parametrize("name", sorted(HEADS))
-def test_proposal_step_equals_teacher_forcing(tiny, name):
+def test_proposal_step_equals_teacher_forcing(tiny_base, name):
     """step() on the true path reproduces the teacher-forced logits at every position."""
-    heads = make(tiny, name)
+    heads = make(tiny_base, name)
     T = 10
     ids = torch.randint(0, 250, (2, T))
     hidden = torch.randn(2, T, 64)
-    states = heads(hidden, tiny.embed_tokens(ids))
+    states = heads(hidden, tiny_base.embed_tokens(ids))
     ctx = heads.context(hidden)
     for k in range(3):
         t = 4
-        got = heads.step(k, ctx[:, t], ids[:, t + 1 : t + k + 2], tiny.embed_tokens)
+        got = heads.step(k, ctx[:, t], ids[:, t + 1 : t + k + 2], tiny_base.embed_tokens)
         want = heads.full_vocab_logits(heads.logits(k, states[k][:, t]))
         assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_hydra_pp_kv_cache_matches_full_context(tiny):
-    heads = make(tiny, "hydra_pp")
+def test_hydra_pp_kv_cache_matches_full_context(tiny_base):
+    heads = make(tiny_base, "hydra_pp")
     hidden = torch.randn(1, 9, 64)
     full = heads.context(hidden)
     cache = KVCache()
@@ -104,26 +99,28 @@ def test_hydra_pp_kv_cache_matches_full_context(tiny):
 
 
 @pytest.mark.parametrize("name", sorted(HEADS))
-def test_draft_vocab_maps_back_to_full_ids(tiny, name):
+def test_draft_vocab_maps_back_to_full_ids(tiny_base, name):
     draft = torch.tensor([0, 5, 17, 42, 99, 100, 200, 250] + list(range(10, 18)))
     draft = torch.sort(torch.unique(draft)).values
-    heads = make(tiny, name, draft=draft)
+    heads = make(tiny_base, name, draft=draft)
     assert heads.out_vocab_size == len(draft)
-    logits = heads.step(0, torch.randn(3, 64), torch.randint(0, 250, (3, 1)), tiny.embed_tokens)
+    logits = heads.step(
+        0, torch.randn(3, 64), torch.randint(0, 250, (3, 1)), tiny_base.embed_tokens
+    )
     assert logits.shape == (3, 259)
     top = logits.argmax(-1)
     assert all(int(x) in set(draft.tolist()) for x in top)
     outside = torch.ones(259, dtype=torch.bool)
     outside[draft] = False
     assert torch.isinf(logits[:, outside]).all()
-    chain = heads.propose_chain(torch.randn(2, 64), torch.tensor([1, 2]), tiny.embed_tokens)
+    chain = heads.propose_chain(torch.randn(2, 64), torch.tensor([1, 2]), tiny_base.embed_tokens)
     assert chain.shape == (2, 3) and all(int(x) in set(draft.tolist()) for x in chain.flatten())
 
 
 def test_config_validation_names_keys():
-    from train.config import ConfigError
+    from train.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="'num_heads'"):
-        HeadConfig(name="hydra", num_heads=0)
+        head_config("hydra", num_heads=0)
     with pytest.raises(ConfigError, match="'draft_vocab_size'"):
-        HeadConfig(name="hydra", draft_vocab_size=3)
+        head_config("hydra", draft_vocab_size=3)

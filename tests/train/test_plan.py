@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import train_config
-from tests.launch.test_cli import run
+from tests.helpers import run, train_config
 from train.plan import base_arch, estimate, verdict
 
 LLAMA70 = ["base=llama2_70b", "out=/x", "data.prepared=/p", "data.max_length=2048"]
@@ -44,7 +43,7 @@ def test_unknown_gpu_is_a_clear_error():
 MEASURE = """
 import json, sys
 import lightning.pytorch as pl
-from tests.conftest import train_config
+from tests.helpers import train_config
 from train.plan import PeakRSS, base_arch, estimate
 from train.recipe import fit
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import train_config
+from tests.helpers import train_config
 from train.heads import HEADS
 from train.recipe import build_module
 
@@ -100,7 +100,7 @@ def test_offline_needs_cached_states(tmp_path):
     import json
 
     from data_prep.prepare import prepare
-    from tests.conftest import pattern_rows, prep_config
+    from tests.helpers import pattern_rows, prep_config
     from train.data import PreparedDataError
 
     data = tmp_path / "d.jsonl"
@@ -159,6 +159,8 @@ def test_bucket_sampler_is_deterministic_and_splits_ranks():
 
 
 def test_hidden_state_offset_reads_an_earlier_layer(tiny_prepared, tmp_path):
+    """head.hidden_state_offset=1: the heads read the output of the layer before the last
+    (hidden_states[-2], pre-norm), not the final normed state that offset 0 reads."""
     m0, dm, _ = build_module(_cfg(tiny_prepared, tmp_path, "head=medusa"))
     m1, _, _ = build_module(
         _cfg(tiny_prepared, tmp_path, "head=medusa", "head.hidden_state_offset=1")
@@ -166,9 +168,21 @@ def test_hidden_state_offset_reads_an_earlier_layer(tiny_prepared, tmp_path):
     m1.heads.load_state_dict(m0.heads.state_dict())
     dm.setup()
     batch = next(iter(dm.train_dataloader()))
-    l0, _ = m0.compute(batch)
-    l1, _ = m1.compute(batch)
-    assert torch.isfinite(l1) and not torch.allclose(l0, l1)
+    seen = {}
+    for name, m in (("0", m0), ("1", m1)):
+        m.heads.register_forward_pre_hook(
+            lambda mod, args, name=name: seen.setdefault(name, args[0])
+        )
+        m.compute(batch)
+    with torch.no_grad():
+        out = m0.base_model.model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            output_hidden_states=True,
+        )
+    assert torch.equal(seen["0"], out.last_hidden_state)
+    assert torch.equal(seen["1"], out.hidden_states[-2])
+    assert not torch.allclose(seen["1"], out.last_hidden_state)
 
 
 def test_heads_with_biases_start_as_the_base_and_train_their_biases(tiny_prepared, tmp_path):

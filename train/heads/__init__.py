@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from train.heads.blocks import HeadConfig, LossConfig
+from train.heads.config import HeadConfig, LossConfig
 from train.heads.headset import HeadSet
 from train.heads.hydra import HydraHeads
 from train.heads.hydra_pp import HydraPPHeads, KVCache
@@ -52,4 +52,17 @@ def build_heads(
     )
 
 
-__all__ = ["HEADS", "HeadConfig", "HeadSet", "KVCache", "LossConfig", "base_shape", "build_heads"]
+from train.heads.io import heads_meta, load_heads, save_heads  # noqa: E402 - uses build_heads
+
+__all__ = [
+    "HEADS",
+    "HeadConfig",
+    "HeadSet",
+    "KVCache",
+    "LossConfig",
+    "base_shape",
+    "build_heads",
+    "heads_meta",
+    "load_heads",
+    "save_heads",
+]

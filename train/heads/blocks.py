@@ -3,74 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from train.config import fail
-
-
-@dataclass
-class LossConfig:
-    """How head outputs are scored (`head.loss` in conf/head/*.yaml)."""
-
-    lm_weight: float = 0.0  # cross-entropy on the true next-next token
-    distill_weight: float = 1.0  # KL(p_base || p_head) at temperature T
-    temperature: float = 1.0
-    head_weighting: Literal["constant", "geometric"] = "constant"
-    head_decay: float = 0.8  # geometric: head k weighs decay**(k-1)
-    chunk_size: int = 1024  # positions per logits chunk: bounds memory to chunk x vocab
-
-    def __post_init__(self) -> None:
-        if self.lm_weight < 0 or self.distill_weight < 0:
-            fail("lm_weight", (self.lm_weight, self.distill_weight), "weights must be >= 0")
-        if self.lm_weight == 0 and self.distill_weight == 0:
-            fail("distill_weight", 0, "lm_weight and distill_weight cannot both be 0")
-        if self.temperature <= 0:
-            fail("temperature", self.temperature, "a number > 0")
-        if not 0 < self.head_decay <= 1:
-            fail("head_decay", self.head_decay, "a number in (0, 1]")
-        if self.chunk_size < 1:
-            fail("chunk_size", self.chunk_size, "a positive integer")
-
-    def head_weights(self, k: int) -> list[float]:
-        if self.head_weighting == "constant":
-            return [1.0] * k
-        return [self.head_decay**i for i in range(k)]
-
-
-@dataclass
-class HeadConfig:
-    """Architecture of a draft head set (`conf/head/*.yaml`)."""
-
-    name: Literal["medusa", "hydra", "hydra_pp"]
-    num_heads: int = 4
-    num_layers: int = 1  # residual MLP blocks per head, each with its own weights
-    hidden_state_offset: int = 0  # 0: last (post-norm) state; n: output of the n-th layer from last
-    draft_vocab_size: int | None = None  # predict only the N most frequent training tokens
-    noise_alpha: float = 0.0  # NEFTune-style uniform noise on the head inputs (0 = off)
-    dropout: float = 0.0
-    # Biases on the output projections and on a head's input projection, as zankner/Hydra's
-    # heads have (`hydra_lm_head`, `res_connection`); off by default: the base lm_head has none.
-    bias: bool = False
-    loss: LossConfig = field(default_factory=LossConfig)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_heads <= 16:
-            fail("num_heads", self.num_heads, "an integer in [1, 16]")
-        if self.num_layers < 1:
-            fail("num_layers", self.num_layers, "an integer >= 1")
-        if self.hidden_state_offset < 0:
-            fail("hidden_state_offset", self.hidden_state_offset, "an integer >= 0")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 16:
-            fail("draft_vocab_size", self.draft_vocab_size, "null (full vocab) or >= 16")
-        if self.noise_alpha < 0:
-            fail("noise_alpha", self.noise_alpha, "a number >= 0")
-        if not 0 <= self.dropout < 1:
-            fail("dropout", self.dropout, "a number in [0, 1)")
 
 
 class ResBlock(nn.Module):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from train.heads.blocks import DraftVocab, HeadConfig, mlp_stack, neftune_noise
+from train.heads.blocks import DraftVocab, mlp_stack, neftune_noise
+from train.heads.config import HeadConfig
 
 
 class HeadSet(nn.Module):

@@ -7,16 +7,17 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from pydantic import model_validator
 from torch import nn
 
-from train.config import ConfigError, fail
+from train.core.atomic import staged_dir, write_json
+from train.core.config import ConfigModel, Positive, fail, group_defaults, validate
+from train.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -30,64 +31,66 @@ CHATML_TEMPLATE = (
 )
 
 
-class BaseLoadError(RuntimeError):
+class BaseLoadError(UserError, RuntimeError):
     """The base model or its tokenizer cannot be loaded; the message says why and what to do."""
 
 
-@dataclass
-class TinyConfig:
+class TinyConfig(ConfigModel):
     """Shape of the tiny random Llama used by tests (`base=tiny_random`)."""
 
-    hidden_size: int = 64
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    intermediate_size: int = 128
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = True
-    seed: int = 0
+    hidden_size: Positive
+    num_hidden_layers: Positive
+    num_attention_heads: Positive
+    num_key_value_heads: Positive
+    intermediate_size: Positive
+    max_position_embeddings: Positive
+    tie_word_embeddings: bool
+    seed: int
 
-    def __post_init__(self) -> None:
-        for name in (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-        ):
-            if getattr(self, name) <= 0:
-                fail(name, getattr(self, name), "must be a positive integer")
+    @model_validator(mode="after")
+    def _shape(self) -> TinyConfig:
         if self.hidden_size % self.num_attention_heads:
             fail("hidden_size", self.hidden_size, "must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             fail("num_key_value_heads", self.num_key_value_heads, "must divide num_attention_heads")
+        return self
 
 
-@dataclass
-class BaseConfig:
+class BaseConfig(ConfigModel):
     """Where the frozen base model comes from (`conf/base/*.yaml`)."""
 
     name: str
     source: Literal["gguf_package", "gguf_file", "pretrained", "tiny_random"]
     # pretrained: hub id or local dir. gguf_file: a .gguf file, or the dir holding `gguf_file`.
-    path: str | None = None
-    gguf_file: str | None = None
+    path: str | None
+    gguf_file: str | None
     # gguf_package: the installed Python package that ships `gguf_file` (found without importing).
-    package: str | None = None
-    revision: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    trust_remote_code: bool = False
+    package: str | None
+    revision: str | None
+    dtype: Literal["float32", "bfloat16", "float16", "auto"]
+    trust_remote_code: bool
     # GGUF only: dequantize once and keep a safetensors copy in the user cache dir.
-    cache: bool = True
-    tiny: TinyConfig = field(default_factory=TinyConfig)
+    cache: bool
+    tiny: TinyConfig | None  # source=tiny_random: its shape
     # Architecture numbers for `hydra-heads plan` when the model itself is not at hand
     # (hidden_size, num_hidden_layers, intermediate_size, num_attention_heads, ...).
-    arch: dict[str, Any] | None = None
+    arch: dict[str, Any] | None
 
-    def __post_init__(self) -> None:
-        if self.source in ("gguf_package",) and not (self.package and self.gguf_file):
+    @model_validator(mode="after")
+    def _source(self) -> BaseConfig:
+        if self.source == "gguf_package" and not (self.package and self.gguf_file):
             fail("package", self.package, "source=gguf_package needs both package and gguf_file")
         if self.source in ("gguf_file", "pretrained") and not self.path:
             fail("path", self.path, f"source={self.source} needs a path (hub id, dir or file)")
+        if self.source == "tiny_random" and self.tiny is None:
+            fail("tiny", None, "source=tiny_random needs the tiny model's shape (base.tiny)")
+        return self
+
+
+def recorded_base(recorded: dict[str, Any]) -> BaseConfig:
+    """A base config recorded by an earlier run (in heads_config.json), completed with today's
+    conf/base/_shared.yaml for keys it predates."""
+    return validate(BaseConfig, {**group_defaults("base", "_shared"), **recorded}, prefix="base")
 
 
 def cache_root() -> Path:
@@ -167,20 +170,13 @@ def _ensure_gguf_cache(gguf: Path) -> Path:
     t0 = time.perf_counter()
     model = _load_gguf_uncached(gguf, torch.float32)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    (tmp / "hydra_heads_source.json").write_text(
-        json.dumps({"gguf": str(gguf), "seconds": time.perf_counter() - t0}, indent=2)
-    )
-    try:
-        os.replace(tmp, target)  # atomic: a killed conversion never leaves a half cache
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
-        if not (target / "hydra_heads_source.json").is_file():
-            raise
+    # A killed conversion never leaves a half cache; of two racing processes the first wins.
+    with staged_dir(target, keep_existing=True) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        write_json(
+            tmp / "hydra_heads_source.json", {"gguf": gguf, "seconds": time.perf_counter() - t0}
+        )
     return target
 
 
@@ -505,7 +501,6 @@ def load_base(cfg: BaseConfig, device: str | torch.device = "cpu") -> FrozenBase
 __all__ = [
     "BaseConfig",
     "BaseLoadError",
-    "ConfigError",
     "DeferredBase",
     "FrozenBase",
     "TinyConfig",

@@ -1,0 +1,1 @@
+"""The hydra-core config tree, installed as the package `hydra_heads_conf` (see pyproject)."""

@@ -1,0 +1,142 @@
+"""Schemas of `hydra-heads eval` and `report` (conf/eval.yaml, conf/tree/, conf/report.yaml)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from evaluation.tree import PRESETS
+from train.core.base import BaseConfig
+from train.core.config import ConfigModel, NonNegative, Positive, check, fail
+
+SORT_KEYS = ("tau", "speedup", "tau_est", "val_loss", "name")
+
+
+# -- trees: one schema per kind (`tree=<option>`), told apart by `kind` ------------------------
+class PresetTree(ConfigModel):
+    """A named tree: `chain` (as deep as the heads) or one of evaluation.tree.PRESETS."""
+
+    kind: Literal["preset"]
+    name: Annotated[
+        str,
+        check(lambda v: v == "chain" or v in PRESETS, f"one of chain, {', '.join(PRESETS)}"),
+    ]
+
+
+class BranchingTree(ConfigModel):
+    """A full tree with branching[d] children per node at depth d."""
+
+    kind: Literal["branching"]
+    branching: Annotated[list[Positive], check(bool, "a non-empty list, e.g. [3, 2, 2]")]
+
+
+class PathsTree(ConfigModel):
+    """Explicit Medusa-format paths of top-k ranks."""
+
+    kind: Literal["paths"]
+    paths: list[list[NonNegative]]
+
+
+class FileTree(ConfigModel):
+    """A tree.json written by an earlier eval."""
+
+    kind: Literal["file"]
+    path: str
+
+
+class CalibratedTree(ConfigModel):
+    """Grown from each head's measured top-k acceptance on held-out prepared rows."""
+
+    kind: Literal["calibrated"]
+    budget: Positive  # at most this many draft nodes
+    topk: Positive  # ranks per head measured
+    calibration_rows: Positive  # held-out prepared rows measured
+    calibration_length: Positive  # tokens per row
+
+
+class AutoTree(CalibratedTree):
+    """The calibrated tree (or none) with the best expected speedup, timed on this machine."""
+
+    kind: Literal["auto"]  # type: ignore[assignment]
+    # speculate only if a tree is expected to beat plain decoding by this ratio
+    min_speedup: Annotated[float, check(lambda v: v >= 1, "a ratio >= 1")]
+
+
+TreeConfig = Annotated[
+    PresetTree | BranchingTree | PathsTree | FileTree | CalibratedTree | AutoTree,
+    Field(discriminator="kind"),
+]
+
+
+# -- eval -------------------------------------------------------------------------------------
+class EvalSettings(ConfigModel):
+    """The `eval:` block of conf/eval.yaml."""
+
+    prompts: str | None  # jsonl of {"prompt": ...} or chats; default: held-out prep rows
+    prepared: str | None  # prep output for held-out prompts (default: the heads' own)
+    num_prompts: Positive
+    max_prompt_tokens: Positive  # longer prompts are skipped
+    max_new_tokens: Positive
+    temperature: Annotated[float, check(lambda v: v >= 0, "a number >= 0")]
+    acceptance: Literal["greedy", "typical", "rejection"] | None  # default: by temperature
+    posterior_threshold: float  # typical acceptance
+    posterior_alpha: float
+    check_lossless: bool | None  # default: true for greedy
+    compare_plain: bool  # also decode plainly, for the speedup
+    seed: int
+    device: str
+    threads: Positive | None  # torch CPU threads (null: torch's default)
+    progress: bool
+
+    @model_validator(mode="after")
+    def _rules(self) -> EvalSettings:
+        if self.acceptance is None:
+            self.acceptance = "greedy" if self.temperature == 0 else "rejection"
+        if (self.temperature == 0) != (self.acceptance == "greedy"):
+            fail(
+                "acceptance",
+                self.acceptance,
+                "greedy at temperature 0; typical or rejection at temperature > 0",
+            )
+        if self.check_lossless is None:
+            self.check_lossless = self.acceptance == "greedy" and self.compare_plain
+        if self.check_lossless and self.acceptance != "greedy":
+            fail("check_lossless", True, "only greedy decoding is token-for-token comparable")
+        if self.check_lossless and not self.compare_plain:
+            fail("check_lossless", True, "it needs compare_plain=true")
+        return self
+
+
+class EvalConfig(ConfigModel):
+    """Everything `hydra-heads eval` needs (conf/eval.yaml)."""
+
+    heads: str  # a heads checkpoint dir (<train out>/heads)
+    out: str
+    tree: TreeConfig
+    eval: EvalSettings
+    base: BaseConfig | None  # default: the base recorded in the heads' config
+    # auto: the CLI logs the figures into the wandb run that trained the heads, if there is one
+    wandb: bool | Literal["auto"]
+
+
+# -- report -----------------------------------------------------------------------------------
+class ReportConfig(ConfigModel):
+    """What `hydra-heads report` reads and writes (conf/report.yaml)."""
+
+    runs: Annotated[
+        list[str], check(bool, "one or more train / eval / sweep dirs, e.g. runs=[DIR,DIR]")
+    ]
+    out: str
+    title: str
+    sort_by: Literal[SORT_KEYS]  # type: ignore[valid-type]
+    names: list[str] | None  # display names, one per run (default: from the dirs)
+    plots: bool
+    # auto: the CLI logs tables and plots into each run's own wandb run, if it had one
+    wandb: bool | Literal["auto"]
+
+    @model_validator(mode="after")
+    def _names(self) -> ReportConfig:
+        if self.names is not None and len(self.names) != len(self.runs):
+            fail("names", self.names, f"one name per run ({len(self.runs)})")
+        return self

@@ -1,0 +1,195 @@
+"""Schemas of the job-level subcommands: launch, plan, sweep, export and import."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from evaluation.config import SORT_KEYS
+from train.config import TrainConfig
+from train.core.base import BaseConfig
+from train.core.config import ConfigModel, NonNegative, Positive, check, fail
+from train.export import Format
+
+
+# -- launchers (`launcher=<option>`, told apart by `name`) -------------------------------------
+class SlurmLauncher(ConfigModel):
+    """`launcher=slurm`: one sbatch job, one task per device, Lightning's SLURM integration."""
+
+    name: Literal["slurm"]
+    nodes: Positive
+    tasks_per_node: Positive  # = devices per node: Lightning expects one task per GPU
+    gpus_per_node: Annotated[int, check(lambda v: v >= 0, "an integer >= 0 (0: a CPU job)")]
+    cpus_per_task: Positive
+    mem: str | None  # e.g. "0" (all of the node) or "480G"; null: the cluster default
+    time: str
+    partition: str | None
+    account: str | None
+    qos: str | None
+    job_name: str
+    setup: list[str]  # shell lines before srun (modules, venv)
+    sbatch_args: list[str]  # more options, e.g. "--exclusive"
+    requeue: bool  # on pre-emption / time limit: checkpoint, requeue, resume
+    signal_seconds: NonNegative  # SIGUSR1 this long before the limit: Lightning saves, requeues
+    script: str | None  # where the sbatch script goes (default <out>/launch.sbatch)
+    wait: bool  # block until the job ends (sbatch --wait); exit with its status
+
+
+class TorchrunLauncher(ConfigModel):
+    """`launcher=torchrun`: one torchrun per node, c10d rendezvous at `rdzv_endpoint`."""
+
+    name: Literal["torchrun"]
+    nnodes: Positive
+    nproc_per_node: Positive
+    node_rank: NonNegative | None  # run this node's command; null with dry_run: print all
+    rdzv_endpoint: str
+    rdzv_id: str
+
+    @model_validator(mode="after")
+    def _rank(self) -> TorchrunLauncher:
+        if self.node_rank is not None and self.node_rank >= self.nnodes:
+            fail("node_rank", self.node_rank, f"an integer in [0, {self.nnodes})")
+        return self
+
+
+class DeepSpeedLauncher(ConfigModel):
+    """`launcher=deepspeed`: DeepSpeed's own launcher over the hosts of a hostfile (pdsh)."""
+
+    name: Literal["deepspeed"]
+    hostfile: str  # lines "host slots=8"
+    num_nodes: Positive
+    num_gpus: Positive
+    master_addr: str | None
+    master_port: Positive
+
+
+Launcher = Annotated[
+    SlurmLauncher | TorchrunLauncher | DeepSpeedLauncher, Field(discriminator="name")
+]
+
+
+class LaunchConfig(TrainConfig):
+    """`hydra-heads launch` (conf/launch.yaml): a train config plus how to start it."""
+
+    launcher: Launcher
+    dry_run: bool  # print the script / commands instead of submitting or running them
+
+
+class PlanConfig(TrainConfig):
+    """`hydra-heads plan` (conf/plan.yaml): a train config plus the device it must fit."""
+
+    gpu: str  # a100_40gb | a100_80gb | h100_80gb | h200 | l40s | a10g
+    gpu_memory_gb: Annotated[float, check(lambda v: v > 0, "GB > 0")] | None
+
+
+# -- sweep -----------------------------------------------------------------------------------
+Grid = dict[str, Annotated[list[Any], check(bool, "a non-empty list of values")]]
+
+
+class SweepSpec(ConfigModel):
+    """One sweep (`conf/sweep/*.yaml`): grids of overrides and the overrides every point shares."""
+
+    name: str
+    grid: Grid  # train overrides, crossed
+    eval_grid: Grid  # eval overrides, crossed
+    train: list[str]  # shared by every train point
+    eval: list[str]  # shared by every eval point
+    sort_by: Literal[SORT_KEYS]  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _rules(self) -> SweepSpec:
+        if not self.grid and not self.eval_grid:
+            fail("grid", self.grid, "at least one key with a list of values")
+        for o in [*self.train, *self.eval]:
+            if "=" not in o:
+                fail("train / eval", o, "overrides of the form key=value")
+        for o in self.train:
+            if o.split("=", 1)[0].lstrip("+~") in ("out", "resume"):
+                fail("train", o, "no out= or resume= (the sweep sets them per point)")
+        return self
+
+
+# What makes a sweep the same sweep on resume (sort_by may change freely).
+IDENTITY = ("grid", "eval_grid", "train", "eval")
+
+
+class SweepConfig(ConfigModel):
+    """`hydra-heads sweep` (conf/sweep.yaml)."""
+
+    out: str
+    sweep: SweepSpec
+    # Appended to every point's train / eval command; not part of the sweep's identity, so a
+    # resumed sweep may point at data that moved (e.g. data.prepared=DIR).
+    train_args: list[str]
+    eval_args: list[str]
+    # Command-line grids in hydra's multirun style, replacing the sweep file's grids:
+    #   'grid=["head=medusa,hydra","head.num_layers=1,2"]' 'eval_grid=["tree=chain,sparse_15"]'
+    grid: list[str] | None
+    eval_grid: list[str] | None
+    backend: Literal["local", "slurm"]
+    only: str | None  # run this train point only (what a SLURM point job runs)
+    max_failures: Positive | None  # stop after this many failed points (default: never)
+    report: bool
+    dry_run: bool  # list the points and their commands, run nothing, write nothing
+    slurm: SlurmLauncher  # each point job's allocation
+    # Set by backend=slurm in each point job's command line: the train step's command prefix
+    # (srun) and the overrides that size it to the allocation.
+    train_prefix: list[str]
+    job_train_args: list[str]
+    job_eval_args: list[str]
+
+    @model_validator(mode="after")
+    def _command_line_grids(self) -> SweepConfig:
+        from launch.sweep import parse_grid
+
+        if self.grid is None and self.eval_grid is None:
+            return self
+        spec = self.sweep.model_dump()
+        if self.grid is not None:
+            spec["grid"] = parse_grid("grid", self.grid)
+        if self.eval_grid is not None:
+            spec["eval_grid"] = parse_grid("eval_grid", self.eval_grid)
+        self.sweep = SweepSpec(**spec)
+        return self
+
+
+# -- export / import ---------------------------------------------------------------------------
+
+
+class ExportConfig(ConfigModel):
+    """`hydra-heads export` (conf/export.yaml)."""
+
+    heads: str  # a heads checkpoint dir (<train out>/heads)
+    format: Format
+    out: str
+    eval: str | None  # hf: an eval.json for the model card (default: one found nearby)
+    base_model: str | None  # base id written into the files (default: the recorded one)
+    overwrite: bool
+
+    @model_validator(mode="after")
+    def _card(self) -> ExportConfig:
+        if self.eval is not None and self.format != "hf":
+            fail("eval", self.eval, "only format=hf writes a model card; drop eval= or use hf")
+        return self
+
+
+class ImportConfig(ConfigModel):
+    """`hydra-heads import` (conf/import.yaml)."""
+
+    src: str  # a directory in `format`
+    format: Format
+    out: str  # written as a heads checkpoint dir (heads.safetensors + heads_config.json)
+    base: BaseConfig | None  # default (hf only): the base recorded in its config.json
+    overwrite: bool
+
+    @model_validator(mode="after")
+    def _base(self) -> ImportConfig:
+        if self.base is None and self.format != "hf":
+            fail(
+                "base",
+                None,
+                f"format={self.format} heads do not record a base we can load: pass base=NAME "
+                "(e.g. base=vicuna_7b) for the model they were trained on",
+            )
+        return self

@@ -1,0 +1,177 @@
+"""Plain helpers the tests share (fixtures live in conftest.py): configs composed from conf/,
+fixture chats, the CLI as a subprocess, perturbed heads, tree strategies, a SLURM probe."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from hypothesis import strategies as st
+
+from train.core.config import compose, from_group, load
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = str(Path(sys.executable).parent / "hydra-heads")
+
+
+# -- configs, as the CLI composes them ---------------------------------------------------------
+def prep_config(overrides: list[str]):
+    """A validated PrepConfig composed from conf/prep.yaml + overrides."""
+    from data_prep.config import PrepConfig
+
+    return load(compose("prep", overrides), PrepConfig)
+
+
+def train_config(overrides: list[str]):
+    """A validated TrainConfig composed from conf/train.yaml + overrides."""
+    from train.config import TrainConfig
+
+    return load(compose("train", overrides), TrainConfig)
+
+
+def base_config(option: str = "tiny_random", **values):
+    """conf/base/<option>.yaml with `values` replacing its keys (`_shared`: no option)."""
+    from train.core.base import BaseConfig
+
+    return from_group(BaseConfig, "base", option, **values)
+
+
+def head_config(name: str, **values):
+    """conf/head/<name>.yaml with `values` replacing its keys; errors name keys as `num_heads`."""
+    from train.core.config import group_defaults
+    from train.heads import HeadConfig
+
+    return HeadConfig(**{**group_defaults("head", name), **values})
+
+
+def report_config(runs: list[str], out: str, **values):
+    """conf/report.yaml as a ReportConfig with `runs`, `out` and `values` set."""
+    from omegaconf import OmegaConf
+
+    from evaluation.config import ReportConfig
+
+    data = OmegaConf.to_container(compose("report"))
+    return ReportConfig(**{**data, "runs": runs, "out": out, **values})
+
+
+def regen_config(**values):
+    """conf/prep.yaml's `regen:` block as a RegenConfig with `values` set."""
+    from data_prep.config import RegenConfig
+
+    return RegenConfig(**{**prep_config(["out=unused"]).regen.model_dump(), **values})
+
+
+# -- chat data ---------------------------------------------------------------------------------
+def conv(*turns: tuple[str, str], cid: str | None = None) -> dict:
+    """A ShareGPT record from (from, value) pairs."""
+    rec = {"conversations": [{"from": f, "value": v} for f, v in turns]}
+    if cid is not None:
+        rec["id"] = cid
+    return rec
+
+
+GOOD = [
+    conv(("human", "What is 2+2?"), ("gpt", "2+2 is 4."), cid="good-1"),
+    conv(
+        ("system", "Be brief."),
+        ("human", "Name a colour."),
+        ("gpt", "Blue."),
+        ("human", "Another?"),
+        ("gpt", "Green."),
+        cid="good-2",
+    ),
+    {
+        "id": "good-3",
+        "messages": [
+            {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+        ],
+    },
+    conv(("user", "Ciao"), ("chatgpt", "Ciao! Come va?"), cid="good-4"),
+    conv(("human", "Search this"), ("bing", "Here is what I found."), cid="good-5"),
+]
+
+EXPECTED_SKIPS = {
+    "empty": 1,
+    "non_string_content": 1,
+    "unknown_role": 1,
+    "no_assistant_turn": 1,
+    "invalid_json": 1,
+    "bad_encoding": 1,
+    "duplicate": 1,
+    "non_alternating": 1,
+    "not_an_object": 1,
+    "no_conversation": 1,
+}
+
+
+def pattern_rows(n: int = 60) -> list[dict]:
+    """Chats whose replies follow a learnable rule (counting), as ShareGPT records."""
+    import random
+
+    rng = random.Random(0)
+    rows = []
+    for i in range(n):
+        a, step = rng.randint(0, 9), rng.choice([1, 2, 3])
+        reply = " ".join(str((a + step * j) % 10) for j in range(24))
+        rows.append(
+            conv(("human", f"count from {a} by {step}, take {i}"), ("gpt", reply), cid=f"p{i}")
+        )
+    return rows
+
+
+# -- the CLI -------------------------------------------------------------------------------------
+def run(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`hydra-heads <args>` as a user runs it (offline hub; wandb mode left to the CLI)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("WANDB_MODE", None)  # the CLI itself must pick offline mode without an API key
+    return subprocess.run(
+        [CLI, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
+    )
+
+
+def slurm_up() -> bool:
+    """A SLURM controller answers (CI starts one: launch/slurm/local_cluster_up.sh)."""
+    if not shutil.which("sbatch"):
+        return False
+    r = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    return "is UP" in r.stdout
+
+
+# -- heads ---------------------------------------------------------------------------------------
+def make_heads(model, arch: str, seed: int, scale: float, draft: int | None = None, **head):
+    """Heads for `model` whose weights are the base lm_head copies plus N(0, scale) noise:
+    fresh heads all echo the base's next token; noise makes every head its own."""
+    from train.heads import base_shape, build_heads
+
+    torch.manual_seed(seed)
+    draft_ids = torch.randperm(model.config.vocab_size)[:draft].sort().values if draft else None
+    head = {"num_heads": 4, "num_layers": 1, "draft_vocab_size": draft, **head}
+    cfg = head_config(arch, **head)
+    heads = build_heads(
+        cfg, base_shape(model.config), model.get_output_embeddings().weight, draft_ids
+    )
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return heads.eval()
+
+
+@st.composite
+def trees(draw, max_depth=4, max_nodes=30):
+    """Random Medusa-format trees: every prefix of a path is a path, sibling ranks distinct."""
+    paths: list[tuple[int, ...]] = []
+    frontier: list[tuple[int, ...]] = [()]
+    for _ in range(draw(st.integers(0, max_nodes))):
+        parent = draw(st.sampled_from(frontier))
+        used = {p[-1] for p in paths if p[:-1] == parent}
+        rank = draw(st.integers(0, 6).filter(lambda r, used=used: r not in used))
+        node = (*parent, rank)
+        paths.append(node)
+        if len(node) < max_depth:
+            frontier.append(node)
+    return [list(p) for p in paths]

@@ -1,0 +1,1 @@
+"""Shared core: base loading, config machinery, errors, atomic writes, the heads file format."""

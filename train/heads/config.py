@@ -1,0 +1,49 @@
+"""Schema of a head set and its loss (`conf/head/*.yaml`); the values live in conf/ only."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import model_validator
+
+from train.core.config import ConfigModel, NonNegative, Positive, check, fail
+
+
+class LossConfig(ConfigModel):
+    """How head outputs are scored (`head.loss`)."""
+
+    lm_weight: Annotated[float, check(lambda v: v >= 0, "a weight >= 0")]  # CE on the data
+    distill_weight: Annotated[float, check(lambda v: v >= 0, "a weight >= 0")]  # KL to the base
+    temperature: Annotated[float, check(lambda v: v > 0, "a number > 0")]
+    head_weighting: Literal["constant", "geometric"]
+    head_decay: Annotated[float, check(lambda v: 0 < v <= 1, "a number in (0, 1]")]
+    chunk_size: Positive  # positions per logits chunk: bounds memory to chunk x vocab
+
+    @model_validator(mode="after")
+    def _some_loss(self) -> LossConfig:
+        if self.lm_weight == 0 and self.distill_weight == 0:
+            fail("distill_weight", 0, "lm_weight and distill_weight cannot both be 0")
+        return self
+
+    def head_weights(self, k: int) -> list[float]:
+        """w_1..w_k: all 1 (constant), or head_decay**(k-1) (geometric, Medusa-1)."""
+        if self.head_weighting == "constant":
+            return [1.0] * k
+        return [self.head_decay**i for i in range(k)]
+
+
+class HeadConfig(ConfigModel):
+    """Architecture of a draft head set."""
+
+    name: Literal["medusa", "hydra", "hydra_pp"]
+    num_heads: Annotated[int, check(lambda v: 1 <= v <= 16, "an integer in [1, 16]")]
+    num_layers: Positive  # residual MLP blocks per head, each with its own weights
+    hidden_state_offset: NonNegative  # 0: last (post-norm) state; n: n-th layer from the last
+    # predict only the N most frequent training tokens (null: the full vocab)
+    draft_vocab_size: Annotated[int, check(lambda v: v >= 16, "null (full vocab) or >= 16")] | None
+    noise_alpha: Annotated[float, check(lambda v: v >= 0, "a number >= 0")]  # NEFTune noise
+    dropout: Annotated[float, check(lambda v: 0 <= v < 1, "a number in [0, 1)")]
+    # Biases on the output projections and on a head's input projection, as zankner/Hydra's
+    # heads have (`hydra_lm_head`, `res_connection`); the base lm_head has none.
+    bias: bool
+    loss: LossConfig
