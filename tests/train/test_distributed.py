@@ -82,7 +82,7 @@ def test_deepspeed_on_cpu_trains_like_one_process(tiny_prepared, tmp_path, one_p
     # the consolidated heads load like any other checkpoint
     from tests.helpers import prep_config
     from train.core.base import load_base
-    from train.core.checkpoint import load_heads
+    from train.heads import load_heads
 
     base = load_base(prep_config(["base=tiny_random", "out=x"]).base)
     loaded, meta = load_heads(out / "heads", base.fingerprint())
@@ -120,7 +120,7 @@ def test_zero3_builds_a_pretrained_base_sharded(
     # the deferred fingerprint (from a meta skeleton) is the loaded model's own
     from tests.helpers import prep_config
     from train.core.base import load_base
-    from train.core.checkpoint import load_heads
+    from train.heads import load_heads
 
     base = load_base(prep_config(["base=tiny_random", "out=x", *as_dir]).base)
     _, meta = load_heads(out / "heads", base.fingerprint())
