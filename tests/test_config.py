@@ -254,3 +254,22 @@ def test_every_trainer_strategy_instantiates(trainer):
         kw.update(accelerator="cpu", precision="32-true")
     t = instantiate(kw, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     assert type(t.strategy).__name__ == "SingleDeviceStrategy" and t.max_steps == kw["max_steps"]
+
+
+def test_unions_trainer_keys_and_missing_keys_are_named():
+    from train.config import TrainConfig
+
+    base = ["out=/tmp/x", "data.prepared=/tmp/p"]
+    with pytest.raises(
+        ConfigError, match=r"'resume' = 'maybe' is invalid: expected true/false or 'auto'"
+    ):
+        to_typed(compose("train", [*base, "resume=maybe"]), TrainConfig)
+    # Trainer and logger are _target_ configs: each key must be an argument of the target
+    with pytest.raises(ConfigError, match=r"'trainer.max_step' = 5 .*did you mean 'max_steps'"):
+        to_typed(compose("train", [*base, "+trainer.max_step=5"]), TrainConfig)
+    with pytest.raises(ConfigError, match=r"'logger.sav_dir'.*CSVLogger; did you mean 'save_dir'"):
+        to_typed(compose("train", [*base, "+logger.sav_dir=x"]), TrainConfig)
+    # every missing key at once, not the first interpolation that needs one
+    with pytest.raises(ConfigError, match=r"keys 'data.prepared', 'out' are required") as e:
+        to_typed(compose("train", []), TrainConfig, "hydra-heads train data.prepared=D out=O")
+    assert "e.g. hydra-heads train data.prepared=D out=O" in str(e.value)

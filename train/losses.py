@@ -32,22 +32,9 @@ class HeadLoss:
 
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx,
-        state,
-        weight,
-        bias,
-        teacher_state,
-        teacher_weight,
-        target,
-        base_top1,
-        lm_w,
-        kl_w,
-        temperature,
-        chunk,
-        n_ce,
-        n_kl,
-    ):
+    def forward(ctx, state, weight, bias, teacher_state, teacher_weight, target, base_top1, opts):
+        # opts: (lm_weight, distill_weight, temperature, chunk size, #CE positions, #KL positions)
+        lm_w, kl_w, temperature, chunk, n_ce, n_kl = opts
         N = state.shape[0]
         need_grad = any(ctx.needs_input_grad[:3])
         grad_state = torch.zeros_like(state, dtype=torch.float32) if need_grad else None
@@ -120,7 +107,7 @@ class _FusedHeadLoss(torch.autograd.Function):
     def backward(ctx, g_loss, *_):
         saved = ctx.saved_tensors
         grad_bias = saved[2] * g_loss if ctx.has_bias else None
-        return (saved[0] * g_loss, saved[1] * g_loss, grad_bias) + (None,) * 10
+        return (saved[0] * g_loss, saved[1] * g_loss, grad_bias) + (None,) * 5
 
 
 def fused_head_loss(
@@ -148,20 +135,9 @@ def fused_head_loss(
         raise ValueError("distill_weight > 0 needs teacher_state and teacher_weight")
     n = state.shape[0]
     n_ce = int((target >= 0).sum()) if lm_weight > 0 else 0
+    opts = (float(lm_weight), float(distill_weight), float(temperature), int(chunk_size), n_ce, n)
     loss, ce, kl, counts = _FusedHeadLoss.apply(
-        state,
-        weight,
-        bias,
-        teacher_state,
-        teacher_weight,
-        target,
-        base_top1,
-        float(lm_weight),
-        float(distill_weight),
-        float(temperature),
-        int(chunk_size),
-        n_ce,
-        n,
+        state, weight, bias, teacher_state, teacher_weight, target, base_top1, opts
     )
     return HeadLoss(loss=loss, ce=ce, kl=kl, counts=counts, n=n)
 

@@ -340,15 +340,11 @@ def print_report(
         f"{os.cpu_count()} CPUs, best of {repeats} after a reduced-size warm-up"
     )
     table = Table(title=title)
-    table.add_column("variant")
-    table.add_column("peak extra MiB", justify="right")
-    table.add_column("ru_maxrss extra MiB", justify="right")
-    table.add_column("time (s)", justify="right")
-    table.add_column("memory vs naive", justify="right")
-    table.add_column(f"target <= {MEMORY_TARGET:.2f}x", justify="center")
-    table.add_column("time vs naive", justify="right")
-    table.add_column(f"target <= {TIME_TARGET:.1f}x", justify="center")
-    table.add_column("notes")
+    targets = (f"target <= {MEMORY_TARGET:.2f}x", f"target <= {TIME_TARGET:.1f}x")
+    for col in ("variant", "peak extra MiB", "ru_maxrss extra MiB", "time (s)",
+                "memory vs naive", targets[0], "time vs naive", targets[1], "notes"):  # fmt: skip
+        justify = "left" if col in ("variant", "notes") else "center" if col in targets else "right"
+        table.add_column(col, justify=justify)
     for m in (naive, chunked):
         is_ref = m is naive
         runs = ", ".join(f"{s:.2f}" for s in m.seconds)

@@ -149,14 +149,12 @@ def print_table(results: list[Result], title: str) -> None:
 
     ref = next(r for r in results if r.is_reference)
     table = Table(title=title)
-    table.add_column("measurement")
-    table.add_column("convs", justify="right")
-    table.add_column("tokens", justify="right")
-    table.add_column("seconds", justify="right")
-    table.add_column("tokens/s", justify="right")
-    table.add_column("vs (a)", justify="right")
-    table.add_column(f"target >= {TARGET}x", justify="center")
-    table.add_column("notes")
+    target = f"target >= {TARGET}x"
+    for col in ("measurement", "convs", "tokens", "seconds", "tokens/s", "vs (a)", target, "notes"):
+        justify = (
+            "left" if col in ("measurement", "notes") else "center" if col == target else "right"
+        )
+        table.add_column(col, justify=justify)
     for r in results:
         if r.is_reference:
             ratio, verdict = "1.00x", "-"

@@ -33,6 +33,15 @@ def test_bad_value_exits_2_naming_key_before_heavy_work():
     assert "Traceback" not in r.stderr
 
 
+def test_no_arguments_name_every_missing_key_with_an_example():
+    r = run("train")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert (
+        "'data.prepared', 'out' are required" in r.stderr and "e.g. hydra-heads train" in r.stderr
+    )
+    assert "MissingMandatoryValue" not in r.stderr and "logger.save_dir" not in r.stderr
+
+
 def test_missing_input_file_is_a_clear_error(tmp_path):
     r = run(
         "prep",

@@ -73,17 +73,8 @@ Fraction = Annotated[float, check(lambda v: 0 <= v < 1, "a number in [0, 1)")]
 
 
 # -- validation -------------------------------------------------------------------------------
-_MESSAGES = {
-    "bool_type": "expected true or false",
-    "int_type": "expected an integer",
-    "int_from_float": "expected an integer",
-    "float_type": "expected a number",
-    "string_type": "expected a string",
-    "list_type": "expected a list",
-    "dict_type": "expected a mapping",
-    "model_type": "expected a mapping",
-    "missing": "this key is required",
-}
+# pydantic's own wording is clear enough for the rest ("Input should be a valid integer")
+_MESSAGES = {"bool_type": "expected true or false", "missing": "this key is required"}
 
 
 def _strip(tp: Any) -> Any:
@@ -98,21 +89,14 @@ def _strip(tp: Any) -> Any:
 
 
 def describe(tp: Any) -> str:
-    """A type as the user would write it: `true/false or 'auto'`, `an integer`."""
+    """A type as the user would write it: `true/false or 'auto'`, `int`."""
     tp = _strip(tp)
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         return " or ".join(describe(a) for a in typing.get_args(tp) if a is not type(None))
     if origin is Literal:
         return " or ".join(repr(c) for c in typing.get_args(tp))
-    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}
-    if tp in names:
-        return names[tp]
-    if origin is list or tp is list:
-        return "a list"
-    if origin is dict or tp is dict or isinstance(tp, type) and issubclass(tp, BaseModel):
-        return "a mapping"
-    return getattr(tp, "__name__", str(tp))
+    return "true/false" if tp is bool else getattr(origin or tp, "__name__", str(tp))
 
 
 def _member(tp: Any, tag: Any) -> tuple[type[BaseModel], str] | None:
@@ -210,10 +194,6 @@ def validate(cls: type[M], data: Mapping[str, Any], prefix: str = "") -> M:
         return cls.model_validate(dict(data))
     except ValidationError as e:
         raise SchemaError(cls, e.errors(include_url=False), prefix) from None
-    except SchemaError as e:
-        raise SchemaError(e.cls, e.errors, prefix) from None
-    except InvalidValue as e:  # raised outside pydantic's wrapping (a plain Python check)
-        raise InvalidValue(".".join(p for p in (prefix, e.key) if p), e.value, e.allowed) from None
 
 
 # -- composing conf/ ----------------------------------------------------------------------------
@@ -287,7 +267,7 @@ def load(cfg: Any, cls: type[M], example: str | None = None) -> M:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra."))
+    missing = sorted(_missing(OmegaConf.to_container(cfg, resolve=False)))
     if missing:
         keys = ", ".join(f"'{k}'" for k in missing)
         verb = "is" if len(missing) == 1 else "are"
@@ -302,6 +282,17 @@ def load(cfg: Any, cls: type[M], example: str | None = None) -> M:
         raise ConfigError(f"config cannot be resolved: {e}") from None
     data.pop("hydra", None)
     return validate(cls, data)
+
+
+def _missing(node: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose value is `???` (found without resolving any interpolation)."""
+    if isinstance(node, dict):
+        items = ((f"{prefix}.{k}" if prefix else str(k), v) for k, v in node.items())
+    elif isinstance(node, list):
+        items = ((f"{prefix}[{i}]", v) for i, v in enumerate(node))
+    else:
+        return [prefix] if node == "???" else []
+    return [key for k, v in items if k != "hydra" for key in _missing(v, k)]
 
 
 def resolved_yaml(cfg: Any) -> str:
