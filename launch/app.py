@@ -21,15 +21,22 @@ def run_app(config_name: str, task: Callable[[Any], Any]) -> None:
     """
     import hydra
 
-    register_resolvers()
+    def fail(e: UserError):
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
-    @hydra.main(config_path=str(conf_dir()), config_name=config_name, version_base="1.3")
+    try:
+        register_resolvers()
+        conf = str(conf_dir())
+    except UserError as e:  # no config tree installed (hydra's logging is not set up yet)
+        fail(e)
+
+    @hydra.main(config_path=conf, config_name=config_name, version_base="1.3")
     def _main(cfg):
         try:
             return task(cfg)
         except UserError as e:
-            log.error("%s", e)
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
+            log.error("%s", e)  # into the run's log too
+            fail(e)
 
     _main()

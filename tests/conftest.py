@@ -87,3 +87,21 @@ def tiny_base():
     from train.core.base import load_base
 
     return load_base(prep_config(["base=tiny_random", "out=unused"]).base)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """`gpu` tests need CUDA: without it they are skipped (with the reason), never failed, so
+    `pytest -m gpu` on a CPU machine reports what it could not check."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(
+        reason=f"gpu test: torch {torch.__version__} sees no CUDA device "
+        f"(built with CUDA {torch.version.cuda}); run `pytest -m gpu` on a GPU machine"
+    )
+    for item in gpu:
+        item.add_marker(skip)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from hypothesis import strategies as st
 
+from evaluation.decode import Decoder
 from train.core.config import compose, from_group, load
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,3 +176,23 @@ def trees(draw, max_depth=4, max_nodes=30):
         if len(node) < max_depth:
             frontier.append(node)
     return [list(p) for p in paths]
+
+
+class OracleDecoder(Decoder):
+    """Proposes the true greedy continuation at chosen ranks of the tree, junk elsewhere: every
+    step should then accept a whole root-to-leaf path, through non-zero ranks."""
+
+    def __init__(self, *a, ref: list[int], prompt_len: int, true_path: list[int], **k):
+        super().__init__(*a, **k)
+        self.ref, self.prompt_len, self.true_path = ref, prompt_len, true_path
+
+    def propose(self, ctx, root, position):
+        at = position - self.prompt_len  # ref[at] is the root
+        assert self.ref[at] == root
+        tokens = torch.empty(self.tree.num_nodes, dtype=torch.long)
+        tokens[0] = root
+        for i, p in enumerate(self.tree.paths, start=1):
+            true = self.ref[at + len(p)] if at + len(p) < len(self.ref) else 0
+            on_path = list(p) == self.true_path[: len(p)]
+            tokens[i] = true if on_path else (true + 1 + i) % self.model.config.vocab_size
+        return tokens

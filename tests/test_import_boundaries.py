@@ -103,6 +103,17 @@ def test_forbidden_third_party_imports(package):
     assert r.stdout.strip() == "[]", f"importing {package} loads {r.stdout.strip()}"
 
 
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers.py (functions) and conftest.py (fixtures)."""
+    bad = [
+        f"{p.relative_to(REPO)} imports {m}"
+        for p in sorted((REPO / "tests").rglob("*.py"))
+        for m in sorted(imports(p))
+        if m.startswith("tests.") and m.rsplit(".", 1)[-1].startswith(("test_", "conftest"))
+    ]
+    assert not bad, "\n".join(bad)
+
+
 def test_the_checks_catch_violations(tmp_path):
     f = tmp_path / "probe.py"
     f.write_text(

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from evaluation.decode import Decoder, SamplingConfig
 from evaluation.tree import PRESETS, Tree, branching, chain
 from evaluation.verify import accept_greedy, accept_rejection, compact_cache
-from tests.helpers import make_heads, trees
+from tests.helpers import OracleDecoder, make_heads, trees
 
 PROMPTS = ["hello there, how are you?", "count: 1 2 3 4", "<|im_start|>user\nhi<|im_end|>\n"]
 
@@ -59,26 +59,6 @@ def test_plain_decode_matches_transformers_generate(tiny_base):
         torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     assert ours == out[0, len(ids) :].tolist()
-
-
-class OracleDecoder(Decoder):
-    """Proposes the true greedy continuation at chosen ranks of the tree, junk elsewhere: every
-    step should then accept a whole root-to-leaf path, through non-zero ranks."""
-
-    def __init__(self, *a, ref: list[int], prompt_len: int, true_path: list[int], **k):
-        super().__init__(*a, **k)
-        self.ref, self.prompt_len, self.true_path = ref, prompt_len, true_path
-
-    def propose(self, ctx, root, position):
-        at = position - self.prompt_len  # ref[at] is the root
-        assert self.ref[at] == root
-        tokens = torch.empty(self.tree.num_nodes, dtype=torch.long)
-        tokens[0] = root
-        for i, p in enumerate(self.tree.paths, start=1):
-            true = self.ref[at + len(p)] if at + len(p) < len(self.ref) else 0
-            on_path = list(p) == self.true_path[: len(p)]
-            tokens[i] = true if on_path else (true + 1 + i) % self.model.config.vocab_size
-        return tokens
 
 
 @pytest.mark.parametrize("true_path", [[0, 0, 0], [2, 1, 0], [1, 0, 1]])
