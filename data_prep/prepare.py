@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import json
-import logging
 import math
 import os
 import random
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,8 @@ from data_prep.normalize import (
 )
 from data_prep.readers import DataError, SkipLog, iter_records
 from data_prep.template import TemplateError, chunk, encode_batch
-from train.core.atomic import publish_dir
+from train.core.atomic import publish_dir, write_json, write_text
 from train.core.errors import UserError
-
-log = logging.getLogger(__name__)
 
 STATS_FILE = "prep_stats.json"
 TIMING_FILE = "prep_timing.json"
@@ -123,7 +122,7 @@ def _tokenize_batch(batch: dict[str, list], tokenizer, cfg: dict) -> dict[str, l
         for roles, contents in zip(batch["roles"], batch["contents"], strict=True)
     ]
     encoded = encode_batch(tokenizer, convs, tuple(cfg["loss_roles"]))
-    out: dict[str, list] = {k: [] for k in OUT_COLUMNS}
+    out: dict[str, list] = {k: [] for k in _features()}  # one list per column
     for cid, key, enc in zip(batch["conv_id"], batch["key"], encoded, strict=True):
         split = "validation" if _is_validation(key, cfg["seed"], cfg["val_fraction"]) else "train"
 
@@ -160,35 +159,16 @@ def _tokenize_batch(batch: dict[str, list], tokenizer, cfg: dict) -> dict[str, l
     return out
 
 
-OUT_COLUMNS = (
-    "conv_id",
-    "input_ids",
-    "loss_mask",
-    "length",
-    "num_trainable",
-    "conv_tokens",
-    "piece",
-    "split",
-    "skip_reason",
-)
-
-
-def _features():
+def _features(final: bool = False):
+    """Arrow schema of the tokenized samples, or (final) of the saved splits."""
     from datasets import Features, Sequence, Value
 
-    return Features(
-        {
-            "conv_id": Value("string"),
-            "input_ids": Sequence(Value("int32")),
-            "loss_mask": Sequence(Value("int8")),
-            "length": Value("int32"),
-            "num_trainable": Value("int32"),
-            "conv_tokens": Value("int32"),
-            "piece": Value("int32"),
-            "split": Value("string"),
-            "skip_reason": Value("string"),
-        }
-    )
+    i32, text = Value("int32"), Value("string")
+    cols = {"conv_id": text, "input_ids": Sequence(i32), "loss_mask": Sequence(Value("int8"))}
+    cols |= {"length": i32, "num_trainable": i32}
+    if final:
+        return Features({**cols, "seq_lens": Sequence(i32)})
+    return Features({**cols, "conv_tokens": i32, "piece": i32, "split": text, "skip_reason": text})
 
 
 def pack_rows(rows: list[dict], max_length: int, seed: int) -> list[dict]:
@@ -203,23 +183,15 @@ def pack_rows(rows: list[dict], max_length: int, seed: int) -> list[dict]:
     for i in order:
         r = rows[i]
         if cur is not None and cur["length"] + r["length"] <= max_length:
-            cur["input_ids"] += r["input_ids"]
-            cur["loss_mask"] += r["loss_mask"]
-            cur["length"] += r["length"]
-            cur["num_trainable"] += r["num_trainable"]
+            for k in ("input_ids", "loss_mask", "length", "num_trainable"):
+                cur[k] += r[k]
             cur["seq_lens"].append(r["length"])
             cur["conv_id"] += "+" + r["conv_id"]
             continue
         if cur is not None:
             packed.append(cur)
-        cur = {
-            "conv_id": r["conv_id"],
-            "input_ids": list(r["input_ids"]),
-            "loss_mask": list(r["loss_mask"]),
-            "length": r["length"],
-            "num_trainable": r["num_trainable"],
-            "seq_lens": [r["length"]],
-        }
+        ids, mask = list(r["input_ids"]), list(r["loss_mask"])
+        cur = {**r, "input_ids": ids, "loss_mask": mask, "seq_lens": [r["length"]]}
     if cur is not None:
         packed.append(cur)
     return packed
@@ -248,48 +220,30 @@ def _deterministic_fingerprint(ds, tag: str) -> None:
     ds._fingerprint = h.hexdigest()[:16]
 
 
-def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, Any]:
-    """Run the whole prep job; return the stats also written to `<out>/prep_stats.json`."""
-    import datasets
-    from datasets import Dataset, DatasetDict
+@contextmanager
+def _timed(timing: dict[str, float], key: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    yield
+    timing[key] = time.perf_counter() - t0
 
+
+def chat_tokenizer(base):
+    """The tokenizer of `base` (a BaseConfig); PrepError if it has no chat template."""
     from train.core.base import load_tokenizer
 
-    t_start = time.perf_counter()
-    timing: dict[str, float] = {}
-    out = Path(cfg.out).expanduser().resolve()
-    if out.exists() and not cfg.overwrite:
-        raise PrepError(
-            f"out={out} already exists; set overwrite=true to replace it, or pick another out"
-        )
-    tokenizer = load_tokenizer(cfg.base)
+    tokenizer = load_tokenizer(base)
     if not getattr(tokenizer, "chat_template", None):
         raise PrepError(
-            f"the tokenizer of base={cfg.base.name} has no chat template; use a chat "
+            f"the tokenizer of base={base.name} has no chat template; use a chat "
             "model or give the tokenizer a chat_template"
         )
-    timing["load_tokenizer_s"] = time.perf_counter() - t_start
+    return tokenizer
 
-    skips = SkipLog()
-    t0 = time.perf_counter()
-    rows, read_info = read_conversations(cfg.data, skips)
-    timing["read_s"] = time.perf_counter() - t0
-    if not rows:
-        raise PrepError(
-            f"no usable conversation in {read_info['input']} (skipped: "
-            f"{dict(skips.counts)}); check data.format / data.turns_field"
-        )
 
-    partial = out.parent / f"{out.name}.partial"
-    partial.mkdir(parents=True, exist_ok=True)
-    if cfg.regenerate:
-        from data_prep.regenerate import regenerate
-        from train.core.base import load_base
-
-        t0 = time.perf_counter()
-        base = load_base(cfg.base, device=_regen_device(cfg.regen.device))
-        rows = regenerate(rows, base, cfg.regen, partial / "regen", cfg.seed, skips)
-        timing["regenerate_s"] = time.perf_counter() - t0
+def tokenize(rows: list[dict], tokenizer, cfg: PrepConfig):
+    """Conversations (read_conversations' rows) -> a Dataset of _features(), one row per sample
+    or per skipped conversation (its skip_reason set). Returns (it, the processes used)."""
+    import datasets
 
     datasets.disable_caching()
     datasets.logging.set_verbosity_error()
@@ -298,16 +252,8 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     num_proc = cfg.num_proc or max(1, min((os.cpu_count() or 1) // 2, 8))
     if len(rows) < 4 * cfg.batch_size:
         num_proc = 1  # process start-up would cost more than it saves
-    raw = Dataset.from_list(rows)
-    map_cfg = {
-        "loss_roles": list(cfg.data.loss_roles),
-        "max_length": cfg.data.max_length,
-        "long_conversations": cfg.data.long_conversations,
-        "min_trainable_tokens": cfg.data.min_trainable_tokens,
-        "seed": cfg.seed,
-        "val_fraction": cfg.data.val_fraction,
-    }
-    t0 = time.perf_counter()
+    raw = datasets.Dataset.from_list(rows)
+    map_cfg = {**cfg.data.model_dump(), "seed": cfg.seed}  # plain values: pickled to workers
     tok = raw.map(
         _tokenize_batch,
         batched=True,
@@ -318,85 +264,117 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
         features=_features(),
         desc=f"tokenizing ({num_proc} proc)",
     )
-    timing["tokenize_s"] = time.perf_counter() - t0
+    return tok, num_proc
 
+
+def kept_samples(tok, skips: SkipLog):
+    """Count `tok`'s skipped conversations in `skips`; returns (its kept samples, the token
+    count of each tokenized conversation before any cut). PrepError if none is kept."""
     for cid, r in zip(tok["conv_id"], tok["skip_reason"], strict=True):
         if r:
             skips.skip(r, f"conversation {cid}")
-    # One entry per tokenized conversation (its first piece), before any cut.
     conv_lengths = [
         n for n, p in zip(tok["conv_tokens"], tok["piece"], strict=True) if p == 0 and n > 0
     ]
     kept = tok.filter(lambda r: [x == "" for x in r], input_columns="skip_reason", batched=True)
     if len(kept) == 0:
         raise PrepError(f"every conversation was dropped (skipped: {dict(skips.counts)})")
+    return kept, conv_lengths
 
-    split_ds = {}
-    keep_cols = ["conv_id", "input_ids", "loss_mask", "length", "num_trainable"]
-    for split in SPLITS:
-        part = kept.filter(
-            lambda s, split=split: [x == split for x in s], input_columns="split", batched=True
+
+def split_samples(kept, split: str, cfg: PrepConfig):
+    """The `split` samples of `kept`, packed if data.pack, in the saved columns (with seq_lens)
+    and with a fingerprint derived from their content."""
+    from datasets import Dataset
+
+    part = kept.filter(lambda s: [x == split for x in s], input_columns="split", batched=True)
+    part = part.select_columns(["conv_id", "input_ids", "loss_mask", "length", "num_trainable"])
+    if len(part) == 0:
+        part = Dataset.from_dict({c: [] for c in _features(True)}, features=_features(True))
+    elif cfg.data.pack:
+        part = Dataset.from_list(pack_rows(part.to_list(), cfg.data.max_length, cfg.seed))
+    else:
+        part = part.map(
+            lambda r: {"seq_lens": [[n] for n in r]}, input_columns="length", batched=True
         )
-        part = part.select_columns(keep_cols)
-        if len(part) == 0:
-            part = Dataset.from_dict({c: [] for c in _final_features()}, features=_final_features())
-        elif cfg.data.pack:
-            part = Dataset.from_list(pack_rows(part.to_list(), cfg.data.max_length, cfg.seed))
-        else:
-            part = part.map(
-                lambda r: {"seq_lens": [[n] for n in r]}, input_columns="length", batched=True
-            )
-        part = part.cast(_final_features())
-        _deterministic_fingerprint(part, f"{split}:{cfg.seed}")
-        split_ds[split] = part
-    dd = DatasetDict(split_ds)
-    if cfg.cache_hidden:
-        from data_prep.hidden import cache_hidden_states
+    part = part.cast(_features(True))
+    _deterministic_fingerprint(part, f"{split}:{cfg.seed}")
+    return part
 
-        t0 = time.perf_counter()
-        dd = cache_hidden_states(
-            dd, cfg.base, cfg.cache_batch_size, _regen_device(cfg.cache_device)
-        )
-        timing["cache_hidden_s"] = time.perf_counter() - t0
 
-    stats = _stats(cfg, read_info, skips, kept, dd, conv_lengths)
-    build = partial / f"build-{os.getpid()}"
-    shutil.rmtree(build, ignore_errors=True)
-    t0 = time.perf_counter()
+def save_shards(dd, build: Path, num_shards: int | None) -> dict[str, int]:
+    """Save the DatasetDict `dd` to `build` in `num_shards` (default: ~SHARD_BYTES) shards per
+    split; returns the shard counts."""
     shards = {}
     for split, part in dd.items():
         size = part.data.nbytes
-        shards[split] = max(1, min(len(part), cfg.data.num_shards or math.ceil(size / SHARD_BYTES)))
+        shards[split] = max(1, min(len(part), num_shards or math.ceil(size / SHARD_BYTES)))
     # num_proc=None: with num_proc=1, datasets 5 still spawns a process pool per split
     # (~5 s of torch re-imports) for no gain.
     dd.save_to_disk(str(build), num_shards=shards, num_proc=None)
-    timing["save_s"] = time.perf_counter() - t0
-    stats["num_shards"] = shards
-    (build / STATS_FILE).write_text(json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
+    return shards
+
+
+def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, Any]:
+    """Run the whole prep job: cfg.data -> tokenized splits in cfg.out, with prep_stats.json,
+    prep_timing.json and `resolved_config` as config.yaml. Returns the stats (+ "timing")."""
+    from datasets import DatasetDict
+
+    t_start = time.perf_counter()
+    timing: dict[str, float] = {}
+    out = Path(cfg.out).expanduser().resolve()
+    if out.exists() and not cfg.overwrite:
+        raise PrepError(
+            f"out={out} already exists; set overwrite=true to replace it, or pick another out"
+        )
+    tokenizer = chat_tokenizer(cfg.base)
+    timing["load_tokenizer_s"] = time.perf_counter() - t_start
+    skips = SkipLog()
+    with _timed(timing, "read_s"):
+        rows, read_info = read_conversations(cfg.data, skips)
+    if not rows:
+        raise PrepError(
+            f"no usable conversation in {read_info['input']} (skipped: "
+            f"{dict(skips.counts)}); check data.format / data.turns_field"
+        )
+    partial = out.parent / f"{out.name}.partial"
+    partial.mkdir(parents=True, exist_ok=True)
+    if cfg.regenerate:
+        from data_prep.regenerate import regenerate
+        from train.core.base import load_base
+
+        with _timed(timing, "regenerate_s"):
+            base = load_base(cfg.base, device=_regen_device(cfg.regen.device))
+            rows = regenerate(rows, base, cfg.regen, partial / "regen", cfg.seed, skips)
+        if not rows:
+            raise PrepError(
+                f"regeneration left no conversation (every reply was empty: skipped "
+                f"{dict(skips.counts)}); try regen.temperature > 0 or a larger regen.max_new_tokens"
+            )
+    with _timed(timing, "tokenize_s"):
+        tok, num_proc = tokenize(rows, tokenizer, cfg)
+    kept, conv_lengths = kept_samples(tok, skips)
+    dd = DatasetDict({split: split_samples(kept, split, cfg) for split in SPLITS})
+    if cfg.cache_hidden:
+        from data_prep.hidden import cache_hidden_states
+
+        with _timed(timing, "cache_hidden_s"):
+            device = _regen_device(cfg.cache_device)
+            dd = cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device)
+    stats = _stats(cfg, read_info, skips, kept, dd, conv_lengths)
+    build = partial / f"build-{os.getpid()}"
+    shutil.rmtree(build, ignore_errors=True)
+    with _timed(timing, "save_s"):
+        stats["num_shards"] = save_shards(dd, build, cfg.data.num_shards)
+    write_json(build / STATS_FILE, stats)
     if resolved_config is not None:
-        (build / CONFIG_FILE).write_text(resolved_config)
-    timing["total_s"] = time.perf_counter() - t_start
-    timing["num_proc"] = num_proc
-    (build / TIMING_FILE).write_text(json.dumps(timing, indent=2) + "\n")
+        write_text(build / CONFIG_FILE, resolved_config)
+    timing.update(total_s=time.perf_counter() - t_start, num_proc=num_proc)
+    write_json(build / TIMING_FILE, timing)
     publish_dir(build, out)
     shutil.rmtree(partial, ignore_errors=True)
     stats["timing"] = timing
     return stats
-
-
-def _final_features():
-    from datasets import Features, Sequence, Value
-
-    return Features(
-        {
-            "conv_id": Value("string"),
-            "input_ids": Sequence(Value("int32")),
-            "loss_mask": Sequence(Value("int8")),
-            "length": Value("int32"),
-            "num_trainable": Value("int32"),
-            "seq_lens": Sequence(Value("int32")),
-        }
-    )
 
 
 def _regen_device(device: str) -> str:

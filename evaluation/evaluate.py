@@ -9,27 +9,24 @@ from __future__ import annotations
 import logging
 import platform
 import time
+from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from data_prep.readers import SkipLog
-from evaluation.calibrate import Calibration, calibrate, choose_tree
-from evaluation.config import EvalConfig, TreeConfig
+from data_prep.readers import DataError, SkipLog
+from evaluation.calibrate import calibrate, choose_tree
+from evaluation.config import EvalConfig, EvalSettings, TreeConfig
 from evaluation.decode import Decoder, Generation, SamplingConfig, eos_ids
-from evaluation.prompts import (
-    PromptItem,
-    held_out_prompts,
-    jsonl_prompts,
-    prepared_rows,
-)
+from evaluation.prompts import PromptItem, held_out_prompts, jsonl_prompts, prepared_rows
 from evaluation.tree import PRESETS, Tree, branching, chain, grow
 from train.core.atomic import write_json, write_text
-from train.core.base import BaseConfig, load_base, recorded_base
+from train.core.base import BaseConfig, FrozenBase, load_base, recorded_base
 from train.core.checkpoint import read_meta
-from train.core.errors import ConfigError, UserError
+from train.core.errors import ConfigError, NotFound, UserError
 from train.heads import load_heads
 
 log = logging.getLogger(__name__)
@@ -41,6 +38,7 @@ class LosslessError(UserError, RuntimeError):
 
 # -- setup -----------------------------------------------------------------------------------
 def base_config(cfg: EvalConfig, meta: dict) -> BaseConfig:
+    """The base to load: cfg.base if given, else the one recorded in the heads' `meta`."""
     if cfg.base is not None:
         return cfg.base
     recorded = meta.get("base", {}).get("config")
@@ -65,7 +63,25 @@ def fixed_tree(tc: TreeConfig, num_heads: int) -> Tree | None:
     return None
 
 
+def setup(cfg: EvalConfig) -> tuple[FrozenBase, Decoder, Tree | None, dict]:
+    """Load base and heads; returns (base, their decoder with no tree yet, fixed_tree(cfg.tree),
+    the heads' meta). A bad fixed tree fails here, before any decoding."""
+    ev = cfg.eval
+    meta = read_meta(cfg.heads)
+    base = load_base(base_config(cfg, meta), ev.device)
+    heads, meta = load_heads(cfg.heads, base.fingerprint(), ev.device)
+    tree = fixed_tree(cfg.tree, heads.num_heads)
+    sampling = SamplingConfig(
+        ev.temperature, ev.acceptance, ev.seed, ev.posterior_threshold, ev.posterior_alpha
+    )
+    offset = int(meta.get("hidden_state_offset") or 0)
+    eos = eos_ids(base.tokenizer, base.model)
+    return base, Decoder(base.model, eos, heads, None, sampling, offset), tree, meta
+
+
+# -- prompts ---------------------------------------------------------------------------------
 def render_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt tokens of the chat `messages`, ending with the assistant's header."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
             "the base tokenizer has no chat template, so chat prompts cannot be rendered; use a "
@@ -75,6 +91,53 @@ def render_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _first_prompt(tokenizer, item: PromptItem) -> list[int]:
+    if item.tokens is not None:
+        return item.tokens
+    msgs = [{"role": "system", "content": item.system}] if item.system else []
+    return render_chat(tokenizer, [*msgs, {"role": "user", "content": item.user_turns[0]}])
+
+
+def calibration_split(prepared: str | None, kind: str):
+    """The held-out rows of prep output `prepared` for tree=`kind`; else an error saying why."""
+    if prepared:
+        with suppress(NotFound, DataError):
+            return prepared_rows(prepared)
+    raise ConfigError(
+        f"tree={kind} measures the heads on held-out (validation) rows of a prep output, and "
+        f"{f'{prepared} has none' if prepared else 'the heads name no prep output'}: pass "
+        "eval.prepared=DIR (a prep output made with data.val_fraction > 0) or choose a fixed "
+        "tree (tree=mc_sim_7b_63, tree=chain)"
+    )
+
+
+def load_prompts(
+    cfg: EvalConfig, prepared: str | None, calibrating: bool, skips: SkipLog
+) -> tuple[list[PromptItem], Iterator | None]:
+    """The prompts (eval.prompts, else held-out first turns of `prepared`; bad rows counted in
+    `skips`) and, if `calibrating`, calibration_rows from the held-out rows after them."""
+    ev = cfg.eval
+    items = jsonl_prompts(ev.prompts, ev.num_prompts, skips) if ev.prompts else None
+    ds, next_row = None, 0
+    if calibrating:
+        ds = calibration_split(prepared, cfg.tree.kind)
+    elif items is None:
+        if not prepared:
+            raise ConfigError(
+                "no prompts: pass eval.prompts=FILE.jsonl or eval.prepared=DIR (a prep output)"
+            )
+        ds = prepared_rows(prepared)
+    if items is None:
+        items, next_row = held_out_prompts(ds, ev.num_prompts, ev.max_prompt_tokens)
+        if not items:
+            raise ConfigError(
+                f"no held-out prompt of <= {ev.max_prompt_tokens} tokens in {prepared}: raise "
+                "eval.max_prompt_tokens or pass eval.prompts=FILE.jsonl"
+            )
+    return items, calibration_rows(ds, next_row, cfg.tree) if calibrating else None
+
+
+# -- tree ------------------------------------------------------------------------------------
 def calibration_rows(ds, start: int, cfg: TreeConfig):
     """Held-out rows after the ones used as prompts, cut to calibration_length tokens."""
     n = min(cfg.calibration_rows, max(len(ds) - start, 0))
@@ -83,6 +146,119 @@ def calibration_rows(ds, start: int, cfg: TreeConfig):
     for row in ds.select(range(start, start + n)):
         L = cfg.calibration_length
         yield list(row["input_ids"])[:L], list(row["loss_mask"])[:L]
+
+
+def calibrated_tree(
+    tc: TreeConfig, decoder: Decoder, rows: Iterator, items: list[PromptItem], tokenizer
+) -> tuple[Tree, dict[str, Any]]:
+    """Measure the heads on held-out `rows`, then grow a tree (tree=calibrated) or pick one by
+    timing candidates on the longest of `items` (tree=auto). Returns it and its eval.json info."""
+    log.info("calibrating on %d held-out rows", tc.calibration_rows)
+    calib = calibrate(decoder.model, decoder.heads, rows, tc.topk, decoder.offset)
+    info: dict[str, Any] = {"kind": tc.kind, "calibration": calib.to_json()}
+    if tc.kind == "calibrated":
+        tree = Tree.from_paths(grow(calib.acc, tc.budget), decoder.heads.num_heads)
+    else:
+        # Timed on the longest prompt: a speculative step's KV upkeep and tree attention
+        # grow with the context faster than a plain step does, so a short prompt would
+        # promise a speedup that longer prompts do not deliver.
+        longest = max((_first_prompt(tokenizer, it) for it in items), key=len)
+        best, options = choose_tree(decoder, calib, longest, tc.budget, min_speedup=tc.min_speedup)
+        tree = best.tree
+        info["auto"] = [
+            {
+                "nodes": o.tree.num_nodes - 1,
+                "expected_tau": round(o.expected_tau, 4),
+                "step_ms": round(o.step_s * 1e3, 2),
+                "expected_speedup": round(o.expected_speedup, 4),
+            }
+            for o in options
+        ]
+    info["expected_tau"] = tree.expected_length(calib.acc)
+    return tree, info
+
+
+def use_tree(decoder: Decoder, tree: Tree, out: Path) -> dict[str, Any]:
+    """Set `tree` on `decoder`, save it as <out>/tree.json; returns its eval.json fields."""
+    decoder.set_tree(tree)
+    tree.save(out / "tree.json")
+    return dict(
+        paths=tree.to_json(), num_nodes=tree.num_nodes - 1, depth=tree.max_depth, file="tree.json"
+    )
+
+
+# -- decode ----------------------------------------------------------------------------------
+def decode_prompts(
+    decoder: Decoder, items: list[PromptItem], tokenizer, ev: EvalSettings, skips: SkipLog
+) -> tuple[list[dict], list[Generation], list[Generation], list[dict]]:
+    """Decode every turn of `items` speculatively (and plainly if eval.compare_plain). Returns
+    (eval.json records, speculative and plain generations, lossless mismatches)."""
+    decoder.plain(_first_prompt(tokenizer, items[0]), 4)  # warm-up: first calls allocate
+    records, spec_all, plain_all, mismatches = [], [], [], []
+    bar = _progress(len(items), ev.progress)
+    for idx, item in enumerate(items):
+        for rec, spec, plain in _decode_item(decoder, idx, item, tokenizer, ev, skips):
+            records.append(rec)
+            spec_all.append(spec)
+            if plain is not None:
+                plain_all.append(plain)
+            if rec.get("lossless") is False:
+                at = _first_diff(plain.tokens, spec.tokens)
+                mismatches.append({"item": item.name, "turn": rec["turn"], "first_diff": at})
+        bar.update(1)
+        acc = [a for g in spec_all for a in g.accepted]
+        if acc:
+            bar.set_postfix(tau=f"{(sum(acc) + len(acc)) / len(acc):.2f}")
+    bar.close()
+    return records, spec_all, plain_all, mismatches
+
+
+def _decode_item(decoder: Decoder, idx: int, item: PromptItem, tok, ev: EvalSettings, skips):
+    """(record, speculative, plain or None) per turn of `item`; a chat gets each reply before
+    its next user turn. A prompt over eval.max_prompt_tokens ends the item."""
+    msgs = [{"role": "system", "content": item.system}] if item.system else []
+    for turn in range(item.num_turns):
+        if item.tokens is not None:
+            prompt = item.tokens
+        else:
+            msgs.append({"role": "user", "content": item.user_turns[turn]})
+            prompt = render_chat(tok, msgs)
+        if len(prompt) > ev.max_prompt_tokens:
+            skips.skip("prompt_too_long", item.name, f"turn {turn}: {len(prompt)} tokens")
+            return
+        runs: dict[str, Generation] = {}
+        order = ("spec", "plain") if idx % 2 == 0 else ("plain", "spec")  # cancel drift
+        for which in order:
+            if which == "plain" and not ev.compare_plain:
+                continue
+            decoder.reseed(ev.seed + 1000 * idx + turn)
+            fn = decoder.speculative if which == "spec" else decoder.plain
+            runs[which] = fn(prompt, ev.max_new_tokens)
+        spec, plain = runs["spec"], runs.get("plain")
+        rec = _record(item, turn, prompt, spec, plain, tok, ev.check_lossless)
+        yield rec, spec, plain
+        if item.tokens is None:
+            msgs.append({"role": "assistant", "content": rec["output"]})
+
+
+def _record(item, turn, prompt, spec: Generation, plain: Generation | None, tok, check: bool):
+    rec = {
+        "item": item.name,
+        "turn": turn,
+        "prompt_tokens": len(prompt),
+        "prompt": tok.decode(prompt[-400:], skip_special_tokens=False)[-300:],
+        "output": tok.decode(spec.tokens, skip_special_tokens=True),
+        "new_tokens": len(spec.tokens),
+        "finish": spec.finish,
+        "steps": spec.steps,
+        "tau": round(spec.tau, 4),
+        "spec_s": round(spec.total_s, 4),
+    }
+    if plain is not None:
+        rec.update(plain_s=round(plain.total_s, 4), plain_new_tokens=len(plain.tokens))
+        if check:
+            rec["lossless"] = plain.tokens == spec.tokens
+    return rec
 
 
 # -- figures ---------------------------------------------------------------------------------
@@ -111,7 +287,10 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 # -- the run ---------------------------------------------------------------------------------
 def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
-    ev, tc = cfg.eval, cfg.tree
+    """Decode cfg's prompts with the heads' tree and plainly; write <out>/eval.json (returned),
+    tree.json and config.yaml (`config_yaml`, the resolved config). Bad input fails before any
+    decoding; a greedy output unlike plain greedy decoding raises LosslessError at the end."""
+    ev = cfg.eval
     if ev.threads:
         torch.set_num_threads(ev.threads)
     out = Path(cfg.out)
@@ -119,182 +298,42 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
     if config_yaml is not None:
         write_text(out / "config.yaml", config_yaml)
     t_setup = time.perf_counter()
-    meta = read_meta(cfg.heads)
-    base = load_base(base_config(cfg, meta), ev.device)
-    heads, meta = load_heads(cfg.heads, base.fingerprint(), ev.device)
-    tree = fixed_tree(tc, heads.num_heads)  # fails on a bad tree before any decoding
-    sampling = SamplingConfig(
-        ev.temperature, ev.acceptance, ev.seed, ev.posterior_threshold, ev.posterior_alpha
-    )
-    decoder = Decoder(
-        base.model,
-        eos_ids(base.tokenizer, base.model),
-        heads,
-        None,
-        sampling,
-        int(meta.get("hidden_state_offset") or 0),
-    )
-
-    # prompts
-    skips = SkipLog()
+    base, decoder, tree, meta = setup(cfg)
     prepared = ev.prepared or (meta.get("training") or {}).get("prepared")
-    ds, next_row = None, 0
-    if ev.prompts:
-        items = jsonl_prompts(ev.prompts, ev.num_prompts, skips)
-    else:
-        if not prepared:
-            raise ConfigError(
-                "no prompts: pass eval.prompts=FILE.jsonl or eval.prepared=DIR (a prep output)"
-            )
-        ds = prepared_rows(prepared)
-        items, next_row = held_out_prompts(ds, ev.num_prompts, ev.max_prompt_tokens)
-        if not items:
-            raise ConfigError(
-                f"no held-out prompt of <= {ev.max_prompt_tokens} tokens in {prepared}: raise "
-                "eval.max_prompt_tokens or pass eval.prompts=FILE.jsonl"
-            )
-
-    def item_prompt(item: PromptItem) -> list[int]:
-        if item.tokens is not None:
-            return item.tokens
-        msgs = [{"role": "system", "content": item.system}] if item.system else []
-        return render_chat(base.tokenizer, [*msgs, {"role": "user", "content": item.user_turns[0]}])
-
-    # tree
-    tree_info: dict[str, Any] = {"kind": tc.kind}
-    calib: Calibration | None = None
+    skips = SkipLog()
+    items, rows = load_prompts(cfg, prepared, tree is None, skips)
+    tree_info: dict[str, Any] = {"kind": cfg.tree.kind}
     if tree is None:
-        if ds is None and prepared:
-            ds = prepared_rows(prepared)
-        if ds is None:
-            raise ConfigError(
-                f"tree={tc.kind} measures the heads on held-out prepared rows: pass "
-                "eval.prepared=DIR (a prep output) or a fixed tree (tree=mc_sim_7b_63)"
-            )
-        log.info("calibrating on %d held-out rows", tc.calibration_rows)
-        calib = calibrate(
-            base.model,
-            heads,
-            calibration_rows(ds, next_row, tc),
-            tc.topk,
-            decoder.offset,
-        )
-        tree_info["calibration"] = calib.to_json()
-        if tc.kind == "calibrated":
-            tree = Tree.from_paths(grow(calib.acc, tc.budget), heads.num_heads)
-        else:
-            # Timed on the longest prompt: a speculative step's KV upkeep and tree attention
-            # grow with the context faster than a plain step does, so a short prompt would
-            # promise a speedup that longer prompts do not deliver.
-            longest = max((item_prompt(it) for it in items), key=len)
-            best, options = choose_tree(
-                decoder, calib, longest, tc.budget, min_speedup=tc.min_speedup
-            )
-            tree = best.tree
-            tree_info["auto"] = [
-                {
-                    "nodes": o.tree.num_nodes - 1,
-                    "expected_tau": round(o.expected_tau, 4),
-                    "step_ms": round(o.step_s * 1e3, 2),
-                    "expected_speedup": round(o.expected_speedup, 4),
-                }
-                for o in options
-            ]
-        tree_info["expected_tau"] = tree.expected_length(calib.acc)
-    decoder.set_tree(tree)
-    tree.save(out / "tree.json")
-    tree_info.update(
-        paths=tree.to_json(), num_nodes=tree.num_nodes - 1, depth=tree.max_depth, file="tree.json"
-    )
+        tree, tree_info = calibrated_tree(cfg.tree, decoder, rows, items, base.tokenizer)
+    tree_info.update(use_tree(decoder, tree, out))
     setup_s = time.perf_counter() - t_setup
-
-    # decode
-    decoder.plain(item_prompt(items[0]), 4)  # warm-up: first-call allocations off the clock
-    records, mismatches = [], []
-    spec_all: list[Generation] = []
-    plain_all: list[Generation] = []
-    bar = _progress(len(items), ev.progress)
-    tok = base.tokenizer
-    for idx, item in enumerate(items):
-        msgs = [{"role": "system", "content": item.system}] if item.system else []
-        for turn in range(item.num_turns):
-            if item.tokens is not None:
-                prompt = item.tokens
-            else:
-                msgs.append({"role": "user", "content": item.user_turns[turn]})
-                prompt = render_chat(tok, msgs)
-            if len(prompt) > ev.max_prompt_tokens:
-                skips.skip("prompt_too_long", item.name, f"turn {turn}: {len(prompt)} tokens")
-                break
-            seed = ev.seed + 1000 * idx + turn
-            runs: dict[str, Generation] = {}
-            order = ("spec", "plain") if idx % 2 == 0 else ("plain", "spec")  # cancel drift
-            for which in order:
-                if which == "plain" and not ev.compare_plain:
-                    continue
-                decoder.reseed(seed)
-                fn = decoder.speculative if which == "spec" else decoder.plain
-                runs[which] = fn(prompt, ev.max_new_tokens)
-            spec, plain = runs["spec"], runs.get("plain")
-            spec_all.append(spec)
-            rec = {
-                "item": item.name,
-                "turn": turn,
-                "prompt_tokens": len(prompt),
-                "prompt": tok.decode(prompt[-400:], skip_special_tokens=False)[-300:],
-                "output": tok.decode(spec.tokens, skip_special_tokens=True),
-                "new_tokens": len(spec.tokens),
-                "finish": spec.finish,
-                "steps": spec.steps,
-                "tau": round(spec.tau, 4),
-                "spec_s": round(spec.total_s, 4),
-            }
-            if plain is not None:
-                plain_all.append(plain)
-                rec["plain_s"] = round(plain.total_s, 4)
-                rec["plain_new_tokens"] = len(plain.tokens)
-                if ev.check_lossless:
-                    rec["lossless"] = plain.tokens == spec.tokens
-                    if not rec["lossless"]:
-                        at = _first_diff(plain.tokens, spec.tokens)
-                        mismatches.append({"item": item.name, "turn": turn, "first_diff": at})
-            records.append(rec)
-            if item.tokens is None:
-                msgs.append({"role": "assistant", "content": rec["output"]})
-        bar.update(1)
-        acc = [a for g in spec_all for a in g.accepted]
-        if acc:
-            bar.set_postfix(tau=f"{(sum(acc) + len(acc)) / len(acc):.2f}")
-    bar.close()
-
-    result = summarize(spec_all, plain_all, tree.max_depth)
-    result.update(
-        {
-            "heads": str(Path(cfg.heads).expanduser().resolve()),
-            "arch": heads.arch,
-            "num_heads": heads.num_heads,
-            "base": base.fingerprint(),
-            "tree": tree_info,
-            "sampling": asdict(sampling),
-            "max_new_tokens": ev.max_new_tokens,
-            "prompts": {
-                "source": ev.prompts or f"{prepared} (validation, first turns)",
-                "items": len(items),
-                "generations": len(records),
-                "skipped": dict(skips.counts),
-            },
-            "lossless": (not mismatches) if ev.check_lossless else None,
-            "mismatches": mismatches,
-            "setup_s": round(setup_s, 2),
-            "hardware": {
-                "device": ev.device,
-                "threads": torch.get_num_threads(),
-                "cpu": platform.processor() or platform.machine(),
-                "torch": torch.__version__,
-            },
-            "records": records,
-        }
-    )
+    records, spec, plain, mismatches = decode_prompts(decoder, items, base.tokenizer, ev, skips)
+    result = {
+        **summarize(spec, plain, tree.max_depth),
+        "heads": str(Path(cfg.heads).expanduser().resolve()),
+        "arch": decoder.heads.arch,
+        "num_heads": decoder.heads.num_heads,
+        "base": base.fingerprint(),
+        "tree": tree_info,
+        "sampling": asdict(decoder.sampling),
+        "max_new_tokens": ev.max_new_tokens,
+        "prompts": {
+            "source": ev.prompts or f"{prepared} (validation, first turns)",
+            "items": len(items),
+            "generations": len(records),
+            "skipped": dict(skips.counts),
+        },
+        "lossless": (not mismatches) if ev.check_lossless else None,
+        "mismatches": mismatches,
+        "setup_s": round(setup_s, 2),
+        "hardware": {
+            "device": ev.device,
+            "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+        },
+        "records": records,
+    }
     write_json(out / "eval.json", result)
     if mismatches:
         raise LosslessError(
@@ -306,6 +345,7 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
 
 
 def summarize(spec: list[Generation], plain: list[Generation], depth: int) -> dict[str, Any]:
+    """eval.json's figures over the generations: acceptance_figures, tokens/s, speedup."""
     accepted = [a for g in spec for a in g.accepted]
     fig = acceptance_figures(accepted, depth)
     spec_tokens = sum(len(g.tokens) for g in spec)

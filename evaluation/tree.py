@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from train.core.atomic import write_json
 from train.core.errors import NotFound, UserError
 
 # Medusa's sparse 63-node tree for 4 heads, tuned on Vicuna-7B (FasterDecoding/Medusa,
@@ -155,9 +156,9 @@ class Tree:
         return [list(p) for p in self.paths]
 
     def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        p.write_text(json.dumps({"paths": self.to_json(), "num_nodes": self.num_nodes}) + "\n")
-        return p
+        """Write the tree as tree.json (`tree=file tree.path=...` reads it back), atomically."""
+        write_json(path, {"paths": self.to_json(), "num_nodes": self.num_nodes})
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path, max_depth: int | None = None) -> Tree:

@@ -124,6 +124,19 @@ def test_prep_regenerate_end_to_end_tiny(tmp_path):
         assert "ORIGINAL" not in tok.decode(row["input_ids"])
 
 
+def test_regeneration_that_empties_every_reply_is_a_clear_error(tmp_path):
+    from data_prep.prepare import PrepError
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(conv(("human", "hello"), ("gpt", "ORIGINAL"), cid="c0")))
+    overrides = [f"data.path={data}", f"out={tmp_path / 'out'}", "regenerate=true"]
+    cfg = prep_config(["base=tiny_random", "data=jsonl", *overrides, "regen.max_new_tokens=3"])
+    # the random tiny model's greedy reply is all whitespace: every turn is dropped as empty
+    with pytest.raises(PrepError, match=r"regeneration left no conversation.*regen_empty_reply"):
+        prepare(cfg)
+    assert not (tmp_path / "out").exists()
+
+
 def test_regenerate_a_few_smollm2_conversations(tmp_path):
     """The real base model answers in its own words (greedy, short)."""
     data = tmp_path / "d.jsonl"

@@ -6,19 +6,25 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.helpers import make_heads, run
+from tests.helpers import make_heads, pattern_rows, prep_config, run
+
+
+def _save_heads(root: Path, base, prepared: Path) -> Path:
+    """Hydra++ heads for tiny_random trained (in name) on `prepared`, saved as train saves them."""
+    from train.heads import heads_meta, save_heads
+
+    heads = make_heads(base.model, "hydra_pp", 0, 0.01)
+    meta = heads_meta(heads, base.fingerprint(), base.cfg.to_dict())
+    meta["training"] = {"steps": 0, "prepared": str(prepared)}
+    return save_heads(root / "heads", heads, meta)
 
 
 @pytest.fixture(scope="module")
 def tiny_heads(tmp_path_factory, tiny_prepared, tiny_base) -> Path:
     """Hydra++ heads for tiny_random, saved as `hydra-heads train` saves them."""
-    from train.heads import heads_meta, save_heads
-
-    heads = make_heads(tiny_base.model, "hydra_pp", 0, 0.01)
-    meta = heads_meta(heads, tiny_base.fingerprint(), tiny_base.cfg.to_dict())
-    meta["training"] = {"steps": 0, "prepared": str(tiny_prepared)}
-    return save_heads(tmp_path_factory.mktemp("heads") / "heads", heads, meta)
+    return _save_heads(tmp_path_factory.mktemp("heads"), tiny_base, tiny_prepared)
 
 
 def _eval(heads: Path, out: Path, *args: str):
@@ -114,3 +120,66 @@ def test_eval_bad_input_fails_clearly(tiny_heads, tmp_path, args, message):
     r = run("eval", *full)
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_eval_default_auto_tree_picks_the_best_candidate(tiny_heads, tmp_path):
+    out = tmp_path / "eval"
+    fast = ["eval.num_prompts=2", "eval.max_new_tokens=8"]
+    _, res = _eval(tiny_heads, out, *fast, "tree.budget=2", "tree.calibration_rows=2")  # no tree=
+    tree = res["tree"]
+    assert tree["kind"] == "auto" and "calibration" in tree and "expected_tau" in tree
+    candidates = tree["auto"]
+    assert candidates[0]["nodes"] == 0 and candidates[0]["expected_speedup"] == 1.0
+    assert all(1 <= c["nodes"] <= 2 for c in candidates[1:])
+    best = max(c["expected_speedup"] for c in candidates)
+    min_speedup = yaml.safe_load((out / "config.yaml").read_text())["tree"]["min_speedup"]
+    if best >= min_speedup:
+        assert tree["num_nodes"] in [
+            c["nodes"] for c in candidates if c["expected_speedup"] == best
+        ]
+    else:
+        assert tree["num_nodes"] == 0
+    saved = json.loads((out / "tree.json").read_text())
+    assert saved["paths"] == tree["paths"] and len(tree["paths"]) == tree["num_nodes"]
+    assert res["lossless"] is True and res["mismatches"] == []
+    assert res["prompts"]["items"] == 2
+
+
+@pytest.fixture(scope="module")
+def heads_without_validation(tmp_path_factory, tiny_base) -> Path:
+    """Heads whose recorded prep output has no validation rows (data.val_fraction=0)."""
+    from data_prep.prepare import prepare
+
+    root = tmp_path_factory.mktemp("no_val")
+    data = root / "pattern.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in pattern_rows(8)))
+    overrides = [f"data.path={data}", f"out={root / 'prep'}", "data.val_fraction=0"]
+    prepare(prep_config(["base=tiny_random", "data=jsonl", *overrides]))
+    return _save_heads(root, tiny_base, root / "prep")
+
+
+@pytest.mark.parametrize("with_prompts", [True, False])
+def test_eval_auto_tree_without_held_out_rows_says_what_is_missing(
+    heads_without_validation, tmp_path, with_prompts
+):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "count from 1 by 2"}) + "\n")
+    args = [f"eval.prompts={prompts}"] if with_prompts else []
+    r = run("eval", f"heads={heads_without_validation}", f"out={tmp_path / 'e'}", *args)
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    message = next(line for line in r.stderr.splitlines() if line.startswith("error: "))
+    assert "tree=auto" in message and "validation" in message and "eval.prepared=DIR" in message
+    assert (
+        str(heads_without_validation.parent / "prep") in message and "tree=mc_sim_7b_63" in message
+    )
+    assert "eval.prompts" not in message  # passing it would not help: calibration needs rows
+    if with_prompts:  # the advice works: a fixed tree with the given prompts runs
+        _, res = _eval(
+            heads_without_validation,
+            tmp_path / "fixed",
+            *args,
+            "tree=chain",
+            "eval.max_new_tokens=4",
+        )
+        assert res["tree"]["kind"] == "preset" and res["lossless"] is True
