@@ -71,8 +71,9 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     Per epoch: shuffle (seed + epoch), cut into buckets of `bucket_batches` batches, sort each
     bucket by length, cut into batches, shuffle the batch order, then rank r takes batches
-    r, r + world, ... (all ranks get the same count). `skip` batches of the first epoch
-    iterated are dropped: that is how a resumed run continues mid-epoch.
+    r, r + world, ... (all ranks get the same count). A resumed run calls `resume_at`: its
+    next iteration is that epoch without its first `skip` batches, whatever `set_epoch` said
+    meanwhile (the epoch Lightning counts on resume can be one ahead; see `resume_position`).
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.rank, self.world = rank, world
         self.epoch = 0
         self.skip = 0
+        self._resume_epoch: int | None = None
         if len(self._all_batches(0)) < world:
             raise PreparedDataError(
                 f"{len(self.lengths)} samples make fewer batches of {batch_size} than there are "
@@ -101,6 +103,10 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def resume_at(self, epoch: int, skip: int) -> None:
+        """Make the next iteration epoch `epoch` from its batch `skip` on (a resumed run)."""
+        self.epoch, self.skip, self._resume_epoch = epoch, skip, epoch
 
     def _all_batches(self, epoch: int) -> list[np.ndarray]:
         n = len(self.lengths)
@@ -120,10 +126,33 @@ class BucketBatchSampler(Sampler[list[int]]):
 
     def __iter__(self):
         per = len(self)
+        if self._resume_epoch is not None:
+            self.epoch, self._resume_epoch = self._resume_epoch, None
         mine = self._all_batches(self.epoch)[self.rank :: self.world][:per]
         skip, self.skip = self.skip, 0
         for b in mine[skip:]:
             yield b.tolist()
+
+
+def epoch_batches(sampler_batches: int, limit: int | float | None = None) -> int:
+    """Training batches per epoch per rank, as Lightning counts them (`limit_train_batches`)."""
+    if isinstance(limit, int):  # an int counts batches; a float is a fraction of the epoch
+        return min(sampler_batches, limit)
+    return sampler_batches if limit is None else int(sampler_batches * limit)
+
+
+def resume_position(steps: int, epoch_batches: int, accumulate: int = 1) -> tuple[int, int]:
+    """(epoch, batches of it already trained on) after `steps` optimizer steps.
+
+    Derived from the steps alone, never from the epoch counter a checkpoint holds: Lightning
+    checkpoints at the last batch of an epoch (on_train_batch_end) before it advances its
+    epoch counter, so that counter says "epoch 0" for a position that is really the start of
+    epoch 1. The last step of an epoch may accumulate fewer batches (Lightning steps the
+    optimizer at every epoch's end), so an epoch is ceil(batches / accumulate) steps.
+    """
+    steps_per_epoch = max(1, math.ceil(epoch_batches / accumulate))
+    epoch, step_in_epoch = divmod(steps, steps_per_epoch)
+    return epoch, step_in_epoch * accumulate
 
 
 def collate(cols: dict[str, Any], pad_id: int, max_length: int | None) -> dict:
@@ -215,10 +244,9 @@ class PreparedDataModule(pl.LightningDataModule):
         )
         t = getattr(self, "trainer", None)
         if t is not None and t.global_step > 0:
-            # Resumed run: skip the batches this epoch already consumed before the checkpoint.
-            done = t.global_step * t.accumulate_grad_batches
-            sampler.set_epoch(t.current_epoch)
-            sampler.skip = max(0, done - t.current_epoch * len(sampler))
+            # Resumed run: continue where the checkpoint's optimizer steps left the data.
+            per_epoch = epoch_batches(len(sampler), t.limit_train_batches)
+            sampler.resume_at(*resume_position(t.global_step, per_epoch, t.accumulate_grad_batches))
         return self._loader(ds, sampler)
 
     def val_dataloader(self) -> DataLoader | list:

@@ -23,6 +23,35 @@ from train.module import HeadsModule
 log = logging.getLogger(__name__)
 
 
+def rewind_finished_epoch(checkpoint: dict) -> bool:
+    """Make a checkpoint written after an epoch's last batch had finished look like the one
+    ModelCheckpoint writes at that batch (its on_train_batch_end); True if it was changed.
+
+    A SIGTERM noticed after the last batch of an epoch (Lightning raises it at the end of the
+    batch or of the epoch) leaves that batch, and perhaps the epoch, counted as complete.
+    Lightning restores such a state badly: iteration-based training always "restarts", so
+    the next epoch begins with the old epoch's batch count and ends after one batch, and every
+    epoch after it is off by one (other data order, other logged epoch). The batch-end state
+    differs only in these counters, and Lightning resumes it exactly."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    batches = fit.get("epoch_loop.batch_progress")
+    epochs = fit.get("epoch_progress")
+    counters = fit.get("epoch_loop.state_dict")
+    if not batches or not epochs or not counters or not batches.get("is_last_batch"):
+        return False
+    current = batches["current"]
+    if current["completed"] == 0 or current["completed"] != current["processed"]:
+        return False  # not a finished last batch (the batch-end state already)
+    for t in (current, batches["total"]):
+        t["completed"] -= 1
+    counters["_batches_that_stepped"] -= 1  # Lightning counts it after on_train_batch_end
+    for t in (epochs["current"], epochs["total"]):
+        if t["processed"] == t["started"]:  # the epoch itself was closed too
+            t["processed"] -= 1
+            t["completed"] = min(t["completed"], t["processed"])
+    return True
+
+
 class SaveOnInterrupt(pl.Callback):
     """On SIGTERM (preemption) or Ctrl-C, write last.ckpt so `resume=true` loses nothing."""
 
@@ -35,6 +64,10 @@ class SaveOnInterrupt(pl.Callback):
         if isinstance(exception, SIGTERMException | KeyboardInterrupt) and trainer.global_step:
             trainer.save_checkpoint(str(self.path))
             log.warning("interrupted at step %d: saved %s", trainer.global_step, self.path)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if rewind_finished_epoch(checkpoint):
+            log.info("checkpoint written at an epoch's end: resuming from that batch's end")
 
 
 def checkpoint_candidates(out: Path) -> list[Path]:

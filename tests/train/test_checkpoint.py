@@ -190,3 +190,164 @@ def test_resume_auto_starts_fresh_then_continues(tiny_prepared, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"resuming from {newest}" in r.stdout + r.stderr
     assert json.loads((out / "train_summary.json").read_text())["steps"] == 4
+
+
+# -- resume from any checkpoint, epoch boundaries included, == the uninterrupted run ------------
+# 11 samples in batches of 2: 6 batches (the last one short) = 6 optimizer steps per epoch, so
+# 12 steps cross one epoch boundary; a checkpoint every 2 steps lands mid-epoch (2, 4, 8, 10),
+# on the last batch of an epoch (6) and at the end of the run (12).
+EPOCH_STEPS, STEPS, EVERY = 6, 12, 2
+
+
+@pytest.fixture(scope="module")
+def eleven_prepared(tmp_path_factory) -> Path:
+    """A prepared dataset of exactly 11 training samples (tiny tokenizer, no validation)."""
+    from data_prep.prepare import prepare
+    from tests.helpers import pattern_rows, prep_config
+
+    root = tmp_path_factory.mktemp("eleven")
+    data = root / "pattern.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in pattern_rows(11)))
+    prepare(
+        prep_config(
+            [
+                "base=tiny_random",
+                "data=jsonl",
+                f"data.path={data}",
+                f"out={root / 'out'}",
+                "data.val_fraction=0",
+            ]
+        )
+    )
+    return root / "out"
+
+
+def _fit_in_process(prepared: Path, out: Path, *extra: str, callbacks=()) -> dict:
+    """`hydra-heads train` as the CLI runs it (CSV logger), in this process."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from train.recipe import fit, make_trainer
+
+    cfg = train_config(
+        [
+            "base=tiny_random",
+            f"data.prepared={prepared}",
+            f"out={out}",
+            "head=hydra_pp",
+            "head.num_heads=2",
+            "head.noise_alpha=5",  # random streams in every step: the RNG must resume too
+            "head.dropout=0.1",
+            f"trainer.max_steps={STEPS}",
+            f"checkpoint_every={EVERY}",
+            "keep_checkpoints=100",
+            "trainer.val_check_interval=1000",
+            "final_validation=false",
+            "data.batch_size=2",
+            "data.max_length=32",  # (the samples are ~93 tokens) a third of the compute
+            "optim.warmup_steps=3",  # the schedule changes slope mid-run: it must resume too
+            "+trainer.enable_progress_bar=false",
+            *extra,
+        ]
+    )
+
+    def make(**kw):
+        return make_trainer(cfg, **{**kw, "callbacks": [*kw["callbacks"], *callbacks]})
+
+    return fit(cfg, make, logger=CSVLogger(save_dir=str(out), name="logs"))
+
+
+def _logged(run: Path) -> dict[int, tuple[int, str]]:
+    """step -> (epoch, train/loss as written) over every version (resumed runs add one)."""
+    out = {}
+    for f in sorted(run.glob("logs/version_*/metrics.csv")):
+        with open(f) as fh:
+            for row in csv.DictReader(fh):
+                if row.get("train/loss"):
+                    out[int(row["step"])] = (int(row["epoch"]), row["train/loss"])
+    return out
+
+
+def _heads(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "heads" / "heads.safetensors"))
+
+
+def _same_heads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(eleven_prepared, tmp_path_factory) -> Path:
+    ref = tmp_path_factory.mktemp("uninterrupted") / "ref"
+    _fit_in_process(eleven_prepared, ref)
+    return ref
+
+
+def _resume_from(ckpt: Path, out: Path, prepared: Path) -> None:
+    """A copy of the run that holds only `ckpt`, resumed (resume=true picks that one)."""
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / ckpt.name).write_bytes(ckpt.read_bytes())
+    _fit_in_process(prepared, out, "resume=true")
+
+
+def _assert_continues(run: Path, ref: Path, first_step: int) -> None:
+    want, got = _logged(ref), _logged(run)
+    resumed = {s: got[s] for s in got if s >= first_step}
+    assert sorted(resumed) == list(range(first_step, STEPS))
+    for step, (epoch, loss) in resumed.items():
+        assert epoch == want[step][0], f"step {step}: logged epoch {epoch}, want {want[step][0]}"
+        assert loss == want[step][1], f"step {step}: loss {loss}, want {want[step][1]}"
+    assert _same_heads(_heads(run), _heads(ref))
+
+
+def test_resume_from_every_checkpoint_equals_the_uninterrupted_run(
+    uninterrupted, eleven_prepared, tmp_path
+):
+    """Each checkpoint of a run that crosses an epoch boundary, the one written on the last
+    batch of epoch 0 included, resumes to the same batches, epochs, losses and final heads."""
+    ref = uninterrupted
+    logged = _logged(ref)
+    assert {s: e for s, (e, _) in logged.items()} == {s: s // EPOCH_STEPS for s in range(STEPS)}
+    ckpts = sorted((ref / "checkpoints").glob("step*.ckpt"))
+    assert [c.name for c in ckpts] == [f"step{s:06d}.ckpt" for s in range(EVERY, STEPS + 1, EVERY)]
+    for ckpt in ckpts:
+        step = int(ckpt.stem.removeprefix("step"))
+        run = tmp_path / ckpt.stem
+        _resume_from(ckpt, run, eleven_prepared)
+        _assert_continues(run, ref, step)
+
+
+@pytest.mark.parametrize("hook", ["on_train_batch_end", "on_train_epoch_end"])
+def test_sigterm_at_an_epoch_end_resumes_like_the_uninterrupted_run(
+    uninterrupted, eleven_prepared, tmp_path, hook
+):
+    """SIGTERM noticed after epoch 0's last batch: Lightning stops at the end of that batch
+    or of the epoch, SaveOnInterrupt writes last.ckpt, and resuming it continues exactly."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    class Sigterm(pl.Callback):
+        """What Lightning's SIGTERM handler does: set the flag its loops check."""
+
+        def _at(self, trainer):
+            if trainer.global_step == EPOCH_STEPS:
+                trainer._signal_connector.received_sigterm = True
+
+        def on_train_batch_end(self, trainer, *args):
+            if hook == "on_train_batch_end":
+                self._at(trainer)
+
+        def on_train_epoch_end(self, trainer, *args):
+            if hook == "on_train_epoch_end":
+                self._at(trainer)
+
+    run = tmp_path / "run"
+    with pytest.raises(SIGTERMException):
+        _fit_in_process(eleven_prepared, run, callbacks=[Sigterm()])
+    last = run / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == EPOCH_STEPS
+    for f in (run / "checkpoints").glob("step*.ckpt"):
+        f.unlink()  # resume from the interrupt checkpoint, not from step000006.ckpt
+    _fit_in_process(eleven_prepared, run, "resume=true")
+    _assert_continues(run, uninterrupted, EPOCH_STEPS)

@@ -158,6 +158,48 @@ def test_bucket_sampler_is_deterministic_and_splits_ranks():
     assert list(skip) == a[5:]
 
 
+def test_resume_position_counts_optimizer_steps_not_epochs():
+    """(epoch, batches done in it) from the steps alone: a checkpoint on an epoch's last batch
+    resumes at the next epoch's start; the short last step of an epoch under accumulation."""
+    from train.data import epoch_batches, resume_position
+
+    assert resume_position(0, 6) == (0, 0)
+    assert resume_position(5, 6) == (0, 5)
+    assert resume_position(6, 6) == (1, 0)  # the last batch of epoch 0 done: epoch 1 next
+    assert resume_position(8, 6) == (1, 2)
+    assert resume_position(3, 6, accumulate=2) == (1, 0)
+    # 6 batches, 4 per step: steps of 4 + 2 batches (Lightning steps at the epoch's end)
+    assert [resume_position(s, 6, accumulate=4) for s in range(4)] == [
+        (0, 0),
+        (0, 4),
+        (1, 0),
+        (1, 4),
+    ]
+    assert epoch_batches(6) == epoch_batches(6, 1.0) == 6
+    assert epoch_batches(6, 4) == 4 and epoch_batches(6, 0.5) == 3
+
+
+def test_resumed_sampler_keeps_its_epoch_whatever_set_epoch_says():
+    """Lightning calls set_epoch with its own counter before the first resumed iteration; the
+    resumed position wins there, and set_epoch rules every later epoch."""
+    import numpy as np
+
+    from train.data import BucketBatchSampler
+
+    lengths = np.random.default_rng(0).integers(5, 100, 40)
+    epochs = []
+    for e in (1, 2):
+        s = BucketBatchSampler(lengths, 4, seed=1, bucket_batches=4)
+        s.set_epoch(e)
+        epochs.append(list(s))
+    s = BucketBatchSampler(lengths, 4, seed=1, bucket_batches=4)
+    s.resume_at(1, 3)
+    s.set_epoch(2)  # off by one
+    assert list(s) == epochs[0][3:]
+    s.set_epoch(2)
+    assert list(s) == epochs[1]
+
+
 def test_hidden_state_offset_reads_an_earlier_layer(tiny_prepared, tmp_path):
     """head.hidden_state_offset=1: the heads read the output of the layer before the last
     (hidden_states[-2], pre-norm), not the final normed state that offset 0 reads."""
