@@ -163,7 +163,9 @@ class HeadsModule(pl.LightningModule):
                 final = out.last_hidden_state  # (B, T, H), post final norm
                 ctx_in = final if self.offset == 0 else out.hidden_states[-1 - self.offset]
             embeds = F.embedding(ids, self.embed_weight) if self.heads.uses_path else None
-        states = self.heads(ctx_in.to(dtype), None if embeds is None else embeds.to(dtype))
+        lengths = batch["attention_mask"].sum(-1)  # unpadded: the noise scale (zankner/Hydra)
+        embeds = None if embeds is None else embeds.to(dtype)
+        states = self.heads(ctx_in.to(dtype), embeds, lengths)
         lc = self.loss_cfg
         draft = self.heads.draft
         tw = self.teacher_weight if draft is None else self.teacher_weight[draft.to_full]

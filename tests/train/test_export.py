@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from train.heads import base_shape, build_heads, heads_meta, load_heads, save_he
 TINY = base_config("tiny_random", name="tiny_random")
 
 
-def make(tmp: Path, tiny_base, arch: str, *, draft=None, layers=1, offset=0, tie=False, seed=0):
+def make(
+    tmp: Path, tiny_base, arch: str, *, draft=None, layers=1, offset=0, tie=False, seed=0, **head
+):
     """Perturbed heads saved as `hydra-heads train` saves them: (heads, heads dir)."""
     torch.manual_seed(seed)
     ids = torch.randperm(tiny_base.vocab_size)[:draft].sort().values if draft else None
@@ -29,13 +32,14 @@ def make(tmp: Path, tiny_base, arch: str, *, draft=None, layers=1, offset=0, tie
         num_layers=layers,
         draft_vocab_size=draft,
         hidden_state_offset=offset,
+        **{"tie_blocks": False, "bias": False, **head},
     )
     heads = build_heads(cfg, base_shape(tiny_base.config), tiny_base.lm_head.weight, ids)
     with torch.no_grad():  # fresh heads all echo the base; noise makes every head its own
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.1)
         if tie:  # what zankner/Hydra can hold: the blocks its HydraMLP shares are equal
-            first = 1 if arch == "hydra" else 0
+            first = 0 if arch == "medusa" else 1
             for mlp in heads.mlps:
                 for block in list(mlp)[first + 1 :]:
                     block.load_state_dict(mlp[first].state_dict())
@@ -69,6 +73,7 @@ def assert_same_proposals(a, b, embed: nn.Module) -> None:
         ("hydra", "hydra", None, 2, False),  # grounded, every block its own weights there
         ("hydra", "hydra", None, 3, True),  # blocks 1..2 are one shared ResBlock there
         ("hydra", "medusa", None, 1, False),  # ungrounded hydra_head_arch=mlp
+        ("hydra", "hydra_pp", None, 3, True),  # hydra_head_arch=prefix-mlp (Hydra++)
         ("medusa", "medusa", None, 2, False),
         ("medusa", "medusa", 50, 1, False),  # vLLM truncated vocab + token_map
     ],
@@ -216,6 +221,115 @@ def test_hydra_export_loads_into_zankner_hydra_layout(tmp_path, tiny_base, arch,
         assert torch.equal(got.topk(5).indices, want.topk(5).indices)
 
 
+class ZanknerHydraPrefixMLP(nn.Module):
+    """The module layout of zankner/Hydra's HydraPrefixMLP (hydra_head_arch=prefix-mlp,
+    grounded): a one-layer transformers LlamaModel (its final norm included) over the base
+    hidden states, `[Dropout, ResBlock] * (L-1)` after a first ResBlock, lm heads as
+    `Sequential(Dropout, Linear)` with biases; their forward, teacher-forced with torch.roll."""
+
+    def __init__(self, base_config, heads: int, layers: int, embed):
+        from transformers import LlamaModel
+
+        super().__init__()
+        config = copy.deepcopy(base_config)
+        config.num_hidden_layers = 1
+        config._attn_implementation = "sdpa"
+        self.prefix_embeding_layer = LlamaModel(config)
+        h, v = config.hidden_size, config.vocab_size
+        drop = nn.Dropout(0.2)  # list repetition: the same modules repeated, as in their code
+        self.hydra_mlp = nn.ModuleList(
+            nn.Sequential(
+                drop, ZanknerResBlock(h, k + 1), *([drop, ZanknerResBlock(h)] * (layers - 1))
+            )
+            for k in range(heads)
+        )
+        self.hydra_lm_head = nn.ModuleList(
+            nn.Sequential(nn.Dropout(0.2), nn.Linear(h, v)) for _ in range(heads)
+        )
+        self.input_embed_fn = embed
+
+    def forward(self, base_hidden_states, input_ids):
+        prefix = self.prefix_embeding_layer(inputs_embeds=base_hidden_states)[0]
+        embeds = self.input_embed_fn(input_ids)
+        inputs = [prefix] + [
+            torch.roll(embeds, shifts=-(i + 1), dims=1) for i in range(len(self.hydra_mlp))
+        ]
+        return [
+            self.hydra_lm_head[i](self.hydra_mlp[i](torch.cat(inputs[: i + 2], dim=-1)))
+            for i in range(len(self.hydra_mlp))
+        ]
+
+
+def _compare_with_prefix_mlp(ours, theirs, tiny_base) -> float:
+    """Teacher-forced logits at every position whose path lies inside the sequence (their
+    torch.roll wraps around past the end, our path is zeros there) and tree step() logits at
+    one position: the largest absolute difference."""
+    ours.eval(), theirs.eval()
+    T = 11
+    torch.manual_seed(3)
+    ids = torch.randint(0, tiny_base.vocab_size, (2, T))
+    hidden = torch.randn(2, T, 64)
+    worst = 0.0
+    with torch.no_grad():
+        states = ours(hidden, tiny_base.embed_tokens(ids))
+        want = theirs(hidden, ids)
+        ctx = ours.context(hidden)
+        for k in range(ours.num_heads):
+            valid = T - k - 1  # positions t whose path x_{t+1..t+k+1} is inside
+            got = ours.full_vocab_logits(ours.logits(k, states[k]))[:, :valid]
+            torch.testing.assert_close(got, want[k][:, :valid], rtol=1e-4, atol=1e-4)
+            worst = max(worst, float((got - want[k][:, :valid]).abs().max()))
+            t = 4
+            step = ours.step(k, ctx[:, t], ids[:, t + 1 : t + k + 2], tiny_base.embed_tokens)
+            torch.testing.assert_close(step, want[k][:, t], rtol=1e-4, atol=1e-4)
+            worst = max(worst, float((step - want[k][:, t]).abs().max()))
+    return worst
+
+
+def test_hydra_pp_export_loads_into_the_official_prefix_mlp(tmp_path, tiny_base):
+    heads, hdir = make(tmp_path, tiny_base, "hydra_pp", layers=3, tie_blocks=True, bias=True)
+    export_heads(hdir, "hydra", tmp_path / "x", base_model="lmsys/vicuna-7b-v1.3")
+    cfg = json.loads((tmp_path / "x" / "config.json").read_text())
+    assert cfg["hydra_head_arch"] == "prefix-mlp" and cfg["grounded_heads"] is True
+    assert (cfg["hydra_num_heads"], cfg["hydra_num_layers"]) == (3, 3)
+    theirs = ZanknerHydraPrefixMLP(tiny_base.config, 3, 3, tiny_base.embed_tokens)
+    state = torch.load(tmp_path / "x" / "hydra_lm_head.pt", weights_only=True)
+    missing, unexpected = theirs.load_state_dict(state, strict=False)
+    # only the base's embeddings (theirs by reference) and the prefix's unused table are absent
+    assert sorted(missing) == ["input_embed_fn.weight", "prefix_embeding_layer.embed_tokens.weight"]
+    assert unexpected == []
+    assert _compare_with_prefix_mlp(heads, theirs, tiny_base) < 1e-4
+
+
+def test_official_prefix_mlp_checkpoint_imports_exactly(tmp_path, tiny_base):
+    torch.manual_seed(7)
+    theirs = ZanknerHydraPrefixMLP(tiny_base.config, 4, 4, tiny_base.embed_tokens)
+    with torch.no_grad():  # their init leaves linear weights at zero: make every tensor count
+        for p in theirs.parameters():
+            if p is not tiny_base.embed_tokens.weight:
+                p.add_(torch.randn_like(p) * 0.05)
+    src = tmp_path / "official"
+    src.mkdir()
+    state = theirs.state_dict()
+    # what transformers 4.36 (their pin) also saved: the rotary buffer, ignored on import
+    state["prefix_embeding_layer.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    torch.save(state, src / "hydra_lm_head.pt")
+    cfg = {"hydra_num_heads": 4, "hydra_num_layers": 4, "hydra_head_arch": "prefix-mlp"}
+    (src / "config.json").write_text(json.dumps({**cfg, "grounded_heads": True}))
+    res = import_heads(src, "hydra", TINY, tmp_path / "ours")
+    assert (res["arch"], res["num_heads"], res["num_layers"]) == ("hydra_pp", 4, 4)
+    ours, meta = load_heads(tmp_path / "ours", tiny_base.fingerprint())
+    assert meta["head"]["tie_blocks"] is True and meta["head"]["bias"] is True
+    worst = _compare_with_prefix_mlp(ours, theirs, tiny_base)
+    print(f"official prefix-mlp import: max abs logit difference {worst:.2e}")
+    assert worst < 1e-4
+    # and back out: the same tensors under the same names
+    export_heads(tmp_path / "ours", "hydra", tmp_path / "again")
+    again = torch.load(tmp_path / "again" / "hydra_lm_head.pt", weights_only=True)
+    for name, t in again.items():
+        assert torch.equal(t, state[name]), name
+
+
 class VllmResidualBlock(nn.Module):
     """vLLM's Medusa ResidualBlock: x = x + SiLU(layer(x)) per layer (medusa_fc_bias=true)."""
 
@@ -309,8 +423,9 @@ def test_import_reads_fasterdecoding_medusa_pt(tmp_path, tiny_base):
     [
         ("hydra", {}, "medusa", "no engine runs sequentially dependent heads"),
         ("hydra_pp", {}, "medusa", "no engine runs sequentially dependent heads"),
-        ("hydra_pp", {}, "hydra", "final RMSNorm"),
         ("hydra", {"draft": 40}, "hydra", "draft vocab (draft_vocab_size=40)"),
+        ("hydra_pp", {"draft": 40}, "hydra", "draft vocab (draft_vocab_size=40)"),
+        ("hydra_pp", {"layers": 3}, "hydra", "block 2 of head 0 differs from block 1"),
         ("medusa", {"draft": 40}, "hydra", "score the full vocab"),
         ("hydra", {"layers": 3}, "hydra", "block 2 of head 0 differs from block 1"),
         ("medusa", {"layers": 2}, "hydra", "block 1 of head 0 differs from block 0"),
@@ -335,11 +450,12 @@ def test_import_refuses_what_our_heads_cannot_hold(tmp_path, tiny_base):
     with pytest.raises(FormatError, match=r"no place for: hydra_mlp.0.7.linear.weight"):
         import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
     cfg = json.loads((tmp_path / "x" / "config.json").read_text())
-    (tmp_path / "x" / "config.json").write_text(
-        json.dumps({**cfg, "hydra_head_arch": "prefix-mlp"})
-    )
-    with pytest.raises(FormatError, match="'prefix-mlp' cannot be imported.*final RMSNorm"):
-        import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
+    for arch, grounded in (("prefix-mlp", False), ("cross-attn", True)):
+        (tmp_path / "x" / "config.json").write_text(
+            json.dumps({**cfg, "hydra_head_arch": arch, "grounded_heads": grounded})
+        )
+        with pytest.raises(FormatError, match=f"'{arch}', grounded_heads = .* cannot be imported"):
+            import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
     with pytest.raises(FormatError, match="is not a hydra-heads hf export"):
         import_heads(tmp_path / "x", "hf", TINY, tmp_path / "back")
     assert not (tmp_path / "back").exists()

@@ -13,7 +13,7 @@ from train.heads.blocks import ResBlock
 def make(tiny_base, name, draft=None, **kw):
     torch.manual_seed(0)
     heads = build_heads(
-        head_config(name, num_heads=3, num_layers=2, **kw),
+        head_config(name, **{"num_heads": 3, "num_layers": 2, **kw}),
         base_shape(tiny_base.config),
         tiny_base.lm_head.weight,
         draft,
@@ -26,15 +26,21 @@ def make(tiny_base, name, draft=None, **kw):
 
 @pytest.mark.parametrize("name", sorted(HEADS))
 def test_fresh_heads_start_as_the_base_lm_head(tiny_base, name):
+    """init=ours: every head reads h_t unchanged (Hydra++: its extra layer's final RMSNorm of
+    h_t, h_t / rms(h_t), so the same top-1 token as the base) through the base's lm_head."""
     heads = build_heads(
-        head_config(name, num_heads=3), base_shape(tiny_base.config), tiny_base.lm_head.weight
+        head_config(name, num_heads=3, num_layers=2, init="ours"),
+        base_shape(tiny_base.config),
+        tiny_base.lm_head.weight,
     )
     h = torch.randn(2, 7, 64)
     states = heads(h, torch.randn(2, 7, 64))
+    want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) if name == "hydra_pp" else h
     assert len(states) == 3
     for k, s in enumerate(states):
-        assert torch.allclose(s, h, atol=1e-6)
+        assert torch.allclose(s, want, atol=1e-5)
         assert torch.equal(heads.lm_heads[k].weight, tiny_base.lm_head.weight)
+        assert torch.equal(heads.logits(k, s).argmax(-1), tiny_base.lm_head(h).argmax(-1))
 
 
 @pytest.mark.parametrize("name", sorted(HEADS))
@@ -93,7 +99,7 @@ def test_hydra_pp_kv_cache_matches_full_context(tiny_base):
     full = heads.context(hidden)
     cache = KVCache()
     parts = [heads.context(hidden[:, :5], cache=cache), heads.context(hidden[:, 5:7], cache=cache)]
-    cache.crop(6)  # drop a rejected position, then feed the accepted one again
+    cache.crop(-1)  # drop a rejected position, then feed the accepted one again
     parts = [parts[0], parts[1][:, :1], heads.context(hidden[:, 6:9], cache=cache)]
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
 
@@ -124,3 +130,46 @@ def test_config_validation_names_keys():
         head_config("hydra", num_heads=0)
     with pytest.raises(ConfigError, match="'draft_vocab_size'"):
         head_config("hydra", draft_vocab_size=3)
+
+
+@pytest.mark.parametrize(("name", "first"), [("hydra", 1), ("hydra_pp", 1), ("medusa", 0)])
+def test_tied_blocks_are_one_module_and_save_once(tmp_path, tiny_base, name, first):
+    """head.tie_blocks: the H -> H blocks of a head are one module (zankner/Hydra's
+    `[ResBlock] * n`), trained as one, saved once and loaded back into every place."""
+    from train.heads import heads_meta, load_heads, save_heads
+
+    heads = make(tiny_base, name, tie_blocks=True, num_layers=4)
+    for mlp in heads.mlps:
+        assert all(block is mlp[first] for block in list(mlp)[first:])
+        assert first == 0 or mlp[0] is not mlp[1]
+    n_params = sum(p.numel() for p in heads.parameters())
+    untied = make(tiny_base, name, tie_blocks=False, num_layers=4)
+    assert n_params < sum(p.numel() for p in untied.parameters())
+    saved = save_heads(tmp_path / "h", heads, heads_meta(heads, tiny_base.fingerprint(), {}))
+    from safetensors import safe_open
+
+    with safe_open(str(saved / "heads.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert f"mlps.0.{first}.linear.weight" in names and "mlps.0.3.linear.weight" not in names
+    back, _ = load_heads(saved, tiny_base.fingerprint())
+    assert back.mlps[0][3] is back.mlps[0][first]
+    h, e = torch.randn(1, 6, 64), torch.randn(1, 6, 64)
+    for a, b in zip(heads(h, e), back(h, e), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_hydra_pp_checkpoints_from_before_the_official_layer_are_refused(tmp_path, tiny_base):
+    """A Hydra++ checkpoint whose extra layer had no final norm must not load into today's."""
+    from safetensors.torch import load_file, save_file
+
+    from train.core.checkpoint import HeadsMismatchError
+    from train.heads import heads_meta, load_heads, save_heads
+
+    heads = make(tiny_base, "hydra_pp")
+    saved = save_heads(tmp_path / "h", heads, heads_meta(heads, tiny_base.fingerprint(), {}))
+    state = {k: v for k, v in load_file(str(saved / "heads.safetensors")).items()}
+    old = {k: v for k, v in state.items() if not k.startswith("prefix.")}
+    old |= {f"prefix.{n}.weight": torch.zeros(1) for n in ("attn_norm", "q_proj", "mlp_norm")}
+    save_file(old, str(saved / "heads.safetensors"))
+    with pytest.raises(HeadsMismatchError, match="no final RMSNorm.*Retrain them"):
+        load_heads(saved, tiny_base.fingerprint())

@@ -93,7 +93,7 @@ def import_heads(
     placeholder = torch.empty(parsed.vocab_size, parsed.hidden_size)
     heads = build_heads(parsed.head, shape, placeholder, parsed.state.get("draft.to_full"))
     try:
-        heads.load_state_dict(parsed.state, strict=True)
+        heads.load_unique_state(parsed.state)
     except RuntimeError as e:
         raise FormatError(f"{src}: its weights do not fit {parsed.head.name} heads: {e}") from None
     meta = heads_meta(

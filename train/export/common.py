@@ -138,8 +138,12 @@ class _Take:
             return None
         raise FormatError(f"{self.where} has no tensor {key!r}; is this the right format=?")
 
-    def done(self, ignore: tuple[str, ...] = ()) -> None:
-        left = sorted(k for k in self.state if k not in ignore)
+    def done(self, ignore: tuple[str, ...] = (), ignore_suffix: str | None = None) -> None:
+        left = sorted(
+            k
+            for k in self.state
+            if k not in ignore and not (ignore_suffix and k.endswith(ignore_suffix))
+        )
         if left:
             more = f" and {len(left) - 5} more" if len(left) > 5 else ""
             raise FormatError(

@@ -1,36 +1,44 @@
 """format=hydra: heads in the layout of github.com/zankner/Hydra (`hydra_lm_head.pt`).
 
-`hydra_lm_head.pt` (a `torch.save`d state dict of its `HydraMLP`, hydra_head_arch=mlp) and a
-`config.json` with the keys its `HydraConfig` reads. Read from zankner/Hydra
-(`hydra/model/hydra_heads/prefix_mlp_head.py`, `hydra/train/train.py`) and from copies of its
-`hydra/model/hydra_heads/mlp_head.py` and `hydra/model/hydra_model.py`. Head k (0-based),
-block j (0-based), L = num_layers, K = num_heads, H = hidden size, V = vocab:
+`hydra_lm_head.pt` (a `torch.save`d state dict of its head module) and a `config.json` with the
+keys its `HydraConfig` reads, read from zankner/Hydra (`hydra/model/hydra_heads/mlp_head.py`,
+`prefix_mlp_head.py`, `hydra/model/hydra_model.py`, `hydra/train/train.py`). Our `medusa` and
+`hydra` heads are its `HydraMLP` (hydra_head_arch=mlp, grounded_heads false / true); our
+`hydra_pp` is its `HydraPrefixMLP` (hydra_head_arch=prefix-mlp, grounded), whose
+`nn.Sequential`s hold a Dropout before every block and lm head, so block j sits at index 2j+1
+and an lm head at index 1. Head k (0-based), block j (0-based), L = num_layers, K = num_heads:
 
-| zankner/Hydra (`hydra_lm_head.pt`)            | ours (`heads.safetensors`)              |
-|-----------------------------------------------|-----------------------------------------|
-| `hydra_mlp.{k}.{j}.linear.weight` / `.bias`   | `mlps.{k}.{j}.linear.weight` / `.bias`  |
-| `hydra_mlp.{k}.0.res_connection.weight`       | `mlps.{k}.0.proj.weight` (grounded)     |
-| `hydra_mlp.{k}.0.res_connection.bias`         | `mlps.{k}.0.proj.bias` (head.bias=true) |
-| `hydra_lm_head.{k}.weight`                    | `lm_heads.{k}.weight`                   |
-| `hydra_lm_head.{k}.bias`                      | `lm_heads.{k}.bias` (head.bias=true)    |
-| `input_embed_fn.weight` (the base embedding)  | not written; their loader is non-strict |
+| ours                    | theirs, mlp                        | theirs, prefix-mlp       |
+|-------------------------|------------------------------------|--------------------------|
+| `mlps.{k}.{j}.linear.*` | `hydra_mlp.{k}.{j}.linear.*`       | the same at index 2j+1   |
+| `mlps.{k}.0.proj.*`     | `hydra_mlp.{k}.0.res_connection.*` | the same at index 1      |
+| `lm_heads.{k}.*`        | `hydra_lm_head.{k}.*`              | `hydra_lm_head.{k}.1.*`  |
+| `prefix.layers.0.*`     | -                                  | `P.layers.0.*`           |
+| `prefix.norm.weight`    | -                                  | `P.norm.weight`          |
+| - (ignored)             | `input_embed_fn.weight`            | the same,                |
+|                         |                                    | `P.embed_tokens.weight`, |
+|                         |                                    | `P.layers.0.*.inv_freq`  |
 
-| `config.json` key          | value                                                   |
-|----------------------------|---------------------------------------------------------|
-| `hydra_num_heads`          | K                                                       |
-| `hydra_num_layers`         | L                                                       |
-| `hydra_head_arch`          | `mlp`                                                   |
-| `grounded_heads`           | true for our `hydra`, false for our `medusa`            |
-| `hidden_state_offset`      | `head.hidden_state_offset` (same meaning)               |
-| `base_model_name_or_path`  | the base's hub id (or `base_model=`)                    |
+P is `prefix_embeding_layer` (their spelling); `.*` is `.weight` and `.bias`. The ignored
+tensors (the base's own embeddings, an unused table, buffers) are not written, and skipped when
+read. `proj.bias` and `lm_heads.{k}.bias` exist with head.bias=true only: heads without biases
+are written with zero ones, and a checkpoint whose `res_connection` / lm-head biases are not all
+zero (their nn.Linear default, trained) is read as head.bias=true heads.
 
-Refused: `hydra_pp` (their Hydra++, hydra_head_arch=prefix-mlp, runs a one-layer `LlamaModel`,
-whose final RMSNorm our extra layer does not have); a draft vocab (their lm heads score all V
-tokens, with no token map); blocks their code ties together: `HydraMLP` repeats one `ResBlock`
-object (`[ResBlock(H)] * n`), so blocks 1..L-1 of a grounded head, and all L blocks of an
-ungrounded head, share weights there; ours are exported only if they are equal. On import, a
-non-zero `res_connection` or `hydra_lm_head` bias (their nn.Linear default, trained) makes the
-imported heads `head.bias=true`; heads without biases are exported with zero biases.
+| `config.json` key          | value                                                          |
+|----------------------------|----------------------------------------------------------------|
+| `hydra_num_heads`          | K                                                              |
+| `hydra_num_layers`         | L                                                              |
+| `hydra_head_arch`          | `mlp` (medusa, hydra) or `prefix-mlp` (hydra_pp)               |
+| `grounded_heads`           | false for medusa, true for hydra and hydra_pp                  |
+| `hidden_state_offset`      | `head.hidden_state_offset` (same meaning)                      |
+| `base_model_name_or_path`  | the base's hub id (or `base_model=`)                           |
+
+Their code repeats one `ResBlock` object (`[ResBlock(H)] * n`): blocks 1..L-1 of a grounded
+head, all L of an ungrounded one, share weights there. Heads read from it are head.tie_blocks
+heads; ours are exported if those blocks are equal (always, with head.tie_blocks=true).
+Refused: a draft vocab (their lm heads score all V tokens, with no token map), blocks that
+differ where theirs are one, and an ungrounded prefix-mlp (we have no Medusa over an extra layer).
 """
 
 from __future__ import annotations
@@ -47,34 +55,41 @@ from train.heads import HeadSet
 HYDRA_WEIGHTS = "hydra_lm_head.pt"
 
 
-def _names(k_heads: int, n_layers: int, grounded: bool) -> list[tuple[str, str]]:
-    """(ours, theirs) for every tensor of the table above, head by head."""
+PREFIX = ("prefix.", "prefix_embeding_layer.")  # our name prefix, theirs
+PREFIX_TENSORS = [
+    *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    "layers.0.input_layernorm.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "norm.weight",
+]
+IGNORED = ("input_embed_fn.weight", "prefix_embeding_layer.embed_tokens.weight")
+
+
+def _names(k_heads: int, n_layers: int, grounded: bool, prefix: bool) -> list[tuple[str, str]]:
+    """(ours, theirs) for every tensor of the tables above, head by head."""
+    block = (lambda j: 2 * j + 1) if prefix else (lambda j: j)  # Dropouts sit between blocks
     layers = []
     for k in range(k_heads):
-        layers += [(f"mlps.{k}.{j}.linear", f"hydra_mlp.{k}.{j}.linear") for j in range(n_layers)]
+        layers += [
+            (f"mlps.{k}.{j}.linear", f"hydra_mlp.{k}.{block(j)}.linear") for j in range(n_layers)
+        ]
         if grounded:
-            layers.append((f"mlps.{k}.0.proj", f"hydra_mlp.{k}.0.res_connection"))
-        layers.append((f"lm_heads.{k}", f"hydra_lm_head.{k}"))
-    return [(f"{o}.{p}", f"{t}.{p}") for o, t in layers for p in ("weight", "bias")]
+            layers.append((f"mlps.{k}.0.proj", f"hydra_mlp.{k}.{block(0)}.res_connection"))
+        layers.append((f"lm_heads.{k}", f"hydra_lm_head.{k}" + (".1" if prefix else "")))
+    names = [(f"{o}.{p}", f"{t}.{p}") for o, t in layers for p in ("weight", "bias")]
+    return names + [(PREFIX[0] + n, PREFIX[1] + n) for n in (PREFIX_TENSORS if prefix else [])]
 
 
 def files(heads: HeadSet, base_id: str) -> dict[str, Any]:
     """The format=hydra export of `heads` trained on `base_id`: file name -> content."""
-    if heads.arch == "hydra_pp":
-        raise FormatError(
-            "hydra_pp heads cannot be exported as format=hydra: zankner/Hydra's Hydra++ "
-            "(hydra_head_arch=prefix-mlp) runs its extra layer as a one-layer LlamaModel, which "
-            "applies a final RMSNorm (prefix_embeding_layer.norm) before the heads; our Hydra++ "
-            "layer feeds the heads its output without one, so no weights give the same "
-            "proposals there. Export format=hf instead"
-        )
     if heads.draft is not None:
         raise FormatError(
             f"{heads.arch} heads with a draft vocab (draft_vocab_size={heads.draft.size}) cannot "
             "be exported as format=hydra: zankner/Hydra's hydra_lm_head layers score the full "
             "vocab. Export format=hf, or train with head.draft_vocab_size=null"
         )
-    grounded = heads.arch == "hydra"
+    grounded, prefix = heads.arch != "medusa", heads.arch == "hydra_pp"
     k_heads, n_layers = heads.num_heads, heads.cfg.num_layers
     sd = heads.state_dict()
     # Their HydraMLP repeats one ResBlock object for every block after the first (grounded) or
@@ -94,12 +109,12 @@ def files(heads: HeadSet, base_id: str) -> dict[str, Any]:
                     f"{first_shared + 1} as trained; export format=hf instead"
                 )
     # heads without biases (head.bias=false) are written with zero ones where theirs have them
-    names = _names(k_heads, n_layers, grounded)
+    names = _names(k_heads, n_layers, grounded, prefix)
     state = {t: sd[o] if o in sd else _zero_bias(sd, o) for o, t in names}
     config = {
         "hydra_num_heads": k_heads,
         "hydra_num_layers": n_layers,
-        "hydra_head_arch": "mlp",
+        "hydra_head_arch": "prefix-mlp" if prefix else "mlp",
         "grounded_heads": grounded,
         "hidden_state_offset": heads.cfg.hidden_state_offset,
         "base_model_name_or_path": base_id,
@@ -113,28 +128,26 @@ def read(src: Path) -> _Parsed:
     cfg = _read_json(cfg_path)
     # Defaults are those of zankner/Hydra's HydraConfig, which its loader applies too.
     arch = cfg.get("hydra_head_arch", "mlp")
-    if arch != "mlp":
-        why = {
-            "prefix-mlp": "its Hydra++ layer is a one-layer LlamaModel with a final RMSNorm that "
-            "our Hydra++ layer lacks",
-        }.get(arch, "our heads have no counterpart of that architecture")
+    grounded = bool(cfg.get("grounded_heads", False))
+    if arch not in ("mlp", "prefix-mlp") or (arch == "prefix-mlp" and not grounded):
+        what = f"hydra_head_arch = {arch!r}, grounded_heads = {str(grounded).lower()}"
         raise FormatError(
-            f"{cfg_path}: hydra_head_arch = {arch!r} cannot be imported: {why}; only "
-            "hydra_head_arch='mlp' maps exactly onto our heads"
+            f"{cfg_path}: {what} cannot be imported: our heads have no counterpart of it; mlp "
+            "(medusa, hydra) and grounded prefix-mlp (hydra_pp) map exactly onto ours"
         )
+    prefix = arch == "prefix-mlp"
     k_heads = _int(cfg, "hydra_num_heads", 4, cfg_path)
     n_layers = _int(cfg, "hydra_num_layers", 1, cfg_path)
     offset = _int(cfg, "hidden_state_offset", 0, cfg_path)
-    grounded = bool(cfg.get("grounded_heads", False))
     take = _Take(src / HYDRA_WEIGHTS)
     ours: dict[str, torch.Tensor] = {}
     biases: dict[str, torch.Tensor | None] = {}
-    for o, t in _names(k_heads, n_layers, grounded):
+    for o, t in _names(k_heads, n_layers, grounded, prefix):
         if o.endswith(".bias") and ".linear." not in o:  # ours have it only with head.bias=true
             biases[o] = take(t, optional=True)
         else:
             ours[o] = take(t)
-    take.done(ignore=("input_embed_fn.weight",))  # the base's own embedding table
+    take.done(ignore=IGNORED, ignore_suffix="rotary_emb.inv_freq")
     # Their nn.Linear layers keep (and train) a bias: heads with any non-zero one are imported
     # with head.bias=true, all others as our plain heads.
     has_bias = any(b is not None and torch.count_nonzero(b) for b in biases.values())
@@ -143,5 +156,7 @@ def read(src: Path) -> _Parsed:
             ours[key] = b if b is not None else _zero_bias(ours, key)
     vocab, hidden = ours["lm_heads.0.weight"].shape
     settings = {"num_heads": k_heads, "num_layers": n_layers, "hidden_state_offset": offset}
-    head = _head("hydra" if grounded else "medusa", **settings, bias=has_bias)
+    name = "hydra_pp" if prefix else "hydra" if grounded else "medusa"
+    # their blocks after the first are one module: ours tied too, so training keeps them so
+    head = _head(name, **settings, bias=has_bias, tie_blocks=True, init="official")
     return _Parsed(head, hidden, vocab, ours, str(cfg.get("base_model_name_or_path", "?")))

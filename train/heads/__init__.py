@@ -27,6 +27,9 @@ BASE_SHAPE_KEYS = (
     "rms_norm_eps",
     "rope_theta",
     "num_hidden_layers",
+    "max_position_embeddings",
+    "initializer_range",
+    "rope_parameters",
 )
 
 
@@ -36,6 +39,7 @@ def base_shape(config) -> dict:
     rp = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if out["rope_theta"] is None and isinstance(rp, dict):
         out["rope_theta"] = rp.get("rope_theta")
+    out["rope_parameters"] = dict(rp) if isinstance(rp, dict) else None
     return {k: v for k, v in out.items() if v is not None}
 
 

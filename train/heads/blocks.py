@@ -2,37 +2,38 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class ResBlock(nn.Module):
-    """x -> proj(x) + SiLU(W x): the Medusa/Hydra head block.
+    """x -> proj(x) + SiLU(W x) on dropout(x): the Medusa/Hydra head block (zankner/Hydra's
+    `[Dropout, ResBlock]`; proj is its `res_connection` when in_dim != dim, else identity).
 
-    W starts at zero and proj at "pick the first `dim` features", so a new block passes the
-    context state through unchanged and a fresh head starts as the base model's own lm_head.
+    init="ours": W, its bias and proj's bias start at zero and proj at "pick the first `dim`
+    features", so a new block passes the context state through and a fresh head starts as the
+    base model's own lm_head. init="official": as zankner/Hydra builds it, W at zero and
+    everything else at nn.Linear's default (random) initialisation.
     """
 
-    def __init__(self, in_dim: int, dim: int, dropout: float = 0.0, bias: bool = False):
+    def __init__(
+        self, in_dim: int, dim: int, dropout: float, bias: bool, init: str = "ours"
+    ) -> None:
         super().__init__()
         self.dropout = nn.Dropout(dropout)
         self.linear = nn.Linear(in_dim, dim)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-        self.proj: nn.Module
-        if in_dim == dim:
-            self.proj = nn.Identity()
-        else:
-            self.proj = nn.Linear(in_dim, dim, bias=bias)
-            with torch.no_grad():
-                if bias:
-                    self.proj.bias.zero_()
-                self.proj.weight.zero_()
-                self.proj.weight[:, :dim] = torch.eye(dim)
+        self.proj = nn.Identity() if in_dim == dim else nn.Linear(in_dim, dim, bias=bias)
         self.act = nn.SiLU()
+        nn.init.zeros_(self.linear.weight)
+        if init == "ours":
+            with torch.no_grad():
+                nn.init.zeros_(self.linear.bias)
+                if in_dim != dim:
+                    self.proj.weight.zero_()
+                    self.proj.weight[:, :dim] = torch.eye(dim)
+                    if bias:
+                        self.proj.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.dropout(x)
@@ -40,22 +41,25 @@ class ResBlock(nn.Module):
 
 
 def mlp_stack(
-    in_dim: int, dim: int, num_layers: int, dropout: float, bias: bool = False
+    in_dim: int, dim: int, num_layers: int, dropout: float, bias: bool, tie: bool, init: str
 ) -> nn.Sequential:
-    """num_layers ResBlocks, the first mapping in_dim -> dim; each block its own module.
-    `bias`: the first block's input projection (in_dim != dim) carries a bias."""
-    return nn.Sequential(
-        ResBlock(in_dim, dim, dropout, bias),
-        *(ResBlock(dim, dim, dropout) for _ in range(num_layers - 1)),
-    )
+    """num_layers ResBlocks, the first mapping in_dim -> dim. `bias`: a first block that changes
+    the width has a bias on its input projection. `tie`: every dim -> dim block is one module
+    repeated, as zankner/Hydra's `[ResBlock] * n` builds them (blocks 2..L of a Hydra head, all
+    L of a Medusa one); otherwise each block has its own weights."""
+    shared = ResBlock(dim, dim, dropout, bias, init) if tie else None
+    blocks = [] if in_dim == dim else [ResBlock(in_dim, dim, dropout, bias, init)]
+    while len(blocks) < num_layers:
+        blocks.append(shared or ResBlock(dim, dim, dropout, bias, init))
+    return nn.Sequential(*blocks)
 
 
-def neftune_noise(x: torch.Tensor, alpha: float, training: bool) -> torch.Tensor:
-    """NEFTune: uniform noise of scale alpha / sqrt(seq_len * dim), training only."""
-    if not training or alpha <= 0:
-        return x
-    scale = alpha / math.sqrt(x.shape[-2] * x.shape[-1])
-    return x + torch.empty_like(x).uniform_(-scale, scale)
+def official_noise(x: torch.Tensor, alpha: float, lengths: torch.Tensor | None) -> torch.Tensor:
+    """zankner/Hydra's NEFTune noise for `x` (B, T, H): uniform in +-alpha / sqrt(n_b * H), with
+    n_b row b's unpadded length (T when `lengths` is None)."""
+    n = lengths if lengths is not None else torch.full((x.shape[0],), x.shape[1])
+    scale = alpha / torch.sqrt(n.clamp_min(1).to(x.device, torch.float32) * x.shape[-1])
+    return (torch.rand_like(x) * 2 - 1) * scale.to(x.dtype)[:, None, None]
 
 
 def shift_left(x: torch.Tensor, j: int) -> torch.Tensor:

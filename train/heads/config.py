@@ -46,4 +46,10 @@ class HeadConfig(ConfigModel):
     # Biases on the output projections and on a head's input projection, as zankner/Hydra's
     # heads have (`hydra_lm_head`, `res_connection`); the base lm_head has none.
     bias: bool
+    # Blocks that map H -> H share one set of weights, as zankner/Hydra's `[ResBlock] * n`
+    # builds them: blocks 2..L of a Hydra / Hydra++ head, all L blocks of a Medusa head.
+    tie_blocks: bool
+    # ours: every head starts as the base lm_head (zero residual blocks, identity projections,
+    # extra layer = its final norm); official: zankner/Hydra's (random projections and biases).
+    init: Literal["ours", "official"]
     loss: LossConfig

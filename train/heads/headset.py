@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from train.heads.blocks import DraftVocab, mlp_stack, neftune_noise
+from train.heads.blocks import DraftVocab, mlp_stack, official_noise
 from train.heads.config import HeadConfig
 
 
@@ -19,6 +19,9 @@ class HeadSet(nn.Module):
 
     arch: str = ""
     uses_path: bool = False  # True when head k is conditioned on the tokens before its target
+    # Where zankner/Hydra adds its training noise: to the base hidden state too (mlp heads), or
+    # to the path embeddings only (prefix-mlp: the extra layer reads the clean hidden states)
+    noise_on_hidden: bool = True
 
     def __init__(
         self,
@@ -45,17 +48,17 @@ class HeadSet(nn.Module):
             if self.draft is None
             else lm_head_weight.detach()[self.draft.to_full]
         )
-        out = rows.shape[0]
         self.lm_heads = nn.ModuleList()
         for _ in range(cfg.num_heads):
-            lin = nn.Linear(hidden_size, out, bias=cfg.bias)
-            with torch.no_grad():
+            lin = nn.Linear(hidden_size, rows.shape[0], bias=cfg.bias)
+            with torch.no_grad():  # the base's own lm_head (official init: its bias random)
                 lin.weight.copy_(rows.to(lin.weight.dtype))
-                if cfg.bias:
-                    lin.bias.zero_()  # starts as the base's own lm_head
+                if cfg.bias and cfg.init == "ours":
+                    lin.bias.zero_()
             self.lm_heads.append(lin)
+        self.lm_dropout = nn.Dropout(cfg.dropout)  # before each lm head, as zankner/Hydra's
         # Head k's residual MLP: its first block reads the context, plus the k+1 path
-        # embeddings for heads that use the path ((k+2)H -> H); each block its own weights.
+        # embeddings for heads that use the path ((k+2)H -> H).
         self.mlps = nn.ModuleList(
             mlp_stack(
                 (k + 2) * hidden_size if self.uses_path else hidden_size,
@@ -63,6 +66,8 @@ class HeadSet(nn.Module):
                 cfg.num_layers,
                 cfg.dropout,
                 cfg.bias,
+                cfg.tie_blocks,
+                cfg.init,
             )
             for k in range(cfg.num_heads)
         )
@@ -86,31 +91,64 @@ class HeadSet(nn.Module):
 
     # -- training: teacher forcing over whole sequences -------------------------------------
     def forward(
-        self, hidden: torch.Tensor, input_embeds: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        input_embeds: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        """Head states (before the output projection) for all positions, teacher-forced.
+        """Head states (what the output projection reads) for all positions, teacher-forced.
 
         hidden: (B, T, H) base hidden states; input_embeds: (B, T, H) base embeddings of the
-        input tokens (needed when `uses_path`). Returns K tensors (B, T, H); entry k-1 at
-        position t is head k's state for predicting x_{t+k+1}, built from tokens <= t+k only.
+        input tokens (needed when `uses_path`); lengths: (B,) unpadded lengths (the noise
+        scale). Returns K tensors (B, T, H); entry k-1 at position t is head k's state for
+        predicting x_{t+k+1}, built from tokens <= t+k only. In training, noise (head.noise_alpha)
+        and dropout go where zankner/Hydra puts them.
         """
-        ctx = self.context(hidden)
+        noise = None
+        if self.training and self.cfg.noise_alpha > 0:  # one draw for h_t and the embeddings
+            noise = official_noise(hidden, self.cfg.noise_alpha, lengths)
+        ctx = self.context(hidden + noise if noise is not None and self.noise_on_hidden else hidden)
+        path = None
         if self.uses_path:
             if input_embeds is None:
                 raise ValueError(f"{self.arch} heads need input_embeds")
-            emb = neftune_noise(input_embeds, self.cfg.noise_alpha, self.training)
+            emb = input_embeds if noise is None else input_embeds + noise
             B, T, H = emb.shape
             k_max = self.num_heads
             # path[:, t, j] = e(x_{t+1+j}), zero past the end: (B, T, K, H)
             padded = torch.cat([emb, emb.new_zeros(B, k_max, H)], dim=1)
             path = padded.unfold(1, k_max, 1)[:, 1 : T + 1].permute(0, 1, 3, 2)
-        else:
-            ctx = neftune_noise(ctx, self.cfg.noise_alpha, self.training)
-            path = None
         return [
-            self.head_input(k, ctx, None if path is None else path[:, :, : k + 1])
+            self.lm_dropout(self.head_input(k, ctx, None if path is None else path[:, :, : k + 1]))
             for k in range(self.num_heads)
         ]
+
+    # -- checkpoints: tied blocks are one tensor under several names ------------------------
+    def unique_state(self) -> dict[str, torch.Tensor]:
+        """The state dict with each tensor once (the first of the names tied blocks share)."""
+        seen: set[tuple] = set()
+        out = {}
+        for name, t in self.state_dict().items():
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if t.numel() == 0 or key not in seen:
+                out[name] = t
+            seen.add(key)
+        return out
+
+    def load_unique_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load what `unique_state` wrote (every tied name set from the one that was saved)."""
+        own = self.state_dict()
+        first: dict[tuple, str] = {}
+        full = {}
+        for name, t in own.items():
+            alias = first.setdefault((t.data_ptr(), tuple(t.shape), tuple(t.stride())), name)
+            src = name if name in state or t.numel() == 0 else alias
+            if src in state:
+                full[name] = state[src]
+        unknown = sorted(set(state) - set(own))
+        if unknown:  # names no parameter of these heads has: let load_state_dict name them
+            full.update({k: state[k] for k in unknown})
+        self.load_state_dict(full, strict=True)
 
     def logits(self, k: int, state: torch.Tensor) -> torch.Tensor:
         """Head k's logits over its output vocab (draft vocab when one is set)."""

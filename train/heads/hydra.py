@@ -8,10 +8,12 @@ from train.heads.headset import HeadSet
 
 
 class HydraHeads(HeadSet):
-    """Sequentially dependent heads (Ankner et al., 2024, "prefix-mlp" grounded heads).
+    """Sequentially dependent heads (Ankner et al., 2024): zankner/Hydra's `hydra_head_arch=mlp`
+    with `grounded_heads=true`. (Its `prefix-mlp` is Hydra++, train/heads/hydra_pp.py; an
+    ungrounded `mlp` is our Medusa.)
 
     Head k (0-based) predicts x_{t+k+2} from [ctx_t, e(x_{t+1}), ..., e(x_{t+k+1})]: its first
-    block maps (k+2)H -> H, the rest are H -> H, every block with its own weights.
+    block maps (k+2)H -> H, the rest are H -> H (one shared block with head.tie_blocks).
     """
 
     arch = "hydra"
