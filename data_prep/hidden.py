@@ -8,12 +8,6 @@ import torch
 from train.core.base import BaseConfig, load_base
 
 
-def _hidden_feature(hidden_size: int):
-    from datasets import Array2D
-
-    return Array2D(shape=(None, hidden_size), dtype="float16")
-
-
 @torch.no_grad()
 def cache_hidden_states(dd, base_cfg: BaseConfig, batch_size: int, device: str):
     """Add a `hidden` column (T, H) fp16: the base's last (post-norm) hidden state per token.
@@ -22,7 +16,7 @@ def cache_hidden_states(dd, base_cfg: BaseConfig, batch_size: int, device: str):
     that state through the frozen lm_head, so they match online training up to fp16 rounding.
     Samples are batched by similar length to waste little compute on padding.
     """
-    from datasets import Dataset, DatasetDict
+    from datasets import Array2D, Dataset, DatasetDict
 
     base = load_base(base_cfg, device=device)
     pad = base.tokenizer.pad_token_id or 0
@@ -45,7 +39,7 @@ def cache_hidden_states(dd, base_cfg: BaseConfig, batch_size: int, device: str):
     out = {}
     for split, ds in dd.items():
         feats = ds.features.copy()
-        feats["hidden"] = _hidden_feature(H)
+        feats["hidden"] = Array2D(shape=(None, H), dtype="float16")
         if len(ds) == 0:
             out[split] = Dataset.from_dict({k: [] for k in feats}, features=feats)
             continue

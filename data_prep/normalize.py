@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Role names seen in the wild, mapped to the three roles chat templates know.
@@ -38,7 +38,6 @@ class NormalizeStats:
 
     leading_assistant_turns_dropped: int = 0
     trailing_user_turns_dropped: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 def _turns(record: Any, field_name: str | None) -> list:

@@ -45,6 +45,8 @@ class SkipLog:
 
 _STRUCT = re.compile(r'["{}\[\]]')
 _STRING_END = re.compile(r'(?:[^"\\]|\\.)*"', re.S)
+_SPACE = re.compile(r"\s*")  # \s: exactly the characters str.isspace() accepts
+_SEPARATORS = re.compile(r"[\s,]*")
 
 
 def _value_end(text: str, i: int) -> int | None:
@@ -108,16 +110,13 @@ def iter_json_array(path: Path, skips: SkipLog) -> Iterator[tuple[str, Any]]:
     text = _decode_text(path.read_bytes(), str(path), skips)
     dec = json.JSONDecoder()
     n = len(text)
-    i = 0
-    while i < n and text[i].isspace():
-        i += 1
+    i = _SPACE.match(text).end()
     if i >= n or text[i] != "[":
         raise DataError(f"{path} is not a JSON array (expected '[' at the start)")
     i += 1
     index = 0
     while True:
-        while i < n and (text[i].isspace() or text[i] == ","):
-            i += 1
+        i = _SEPARATORS.match(text, i).end()
         if i >= n:
             skips.warn(
                 f"{path}: JSON array is not closed (file ends at byte "
@@ -139,10 +138,8 @@ def iter_json_array(path: Path, skips: SkipLog) -> Iterator[tuple[str, Any]]:
                 )
                 return
             skips.skip("invalid_json", f"{path.name}#{index}", e.msg)
-            index += 1
-            i = end
-            continue
-        yield f"{path.name}#{index}", obj
+        else:
+            yield f"{path.name}#{index}", obj
         index += 1
         i = end
 

@@ -77,8 +77,7 @@ def mask_from_offsets(
         return [0] * len(offsets)
     off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     s, e = off[:, 0], off[:, 1]
-    starts = np.array([a for a, _ in spans])
-    ends = np.array([b for _, b in spans])
+    starts, ends = np.array(spans).T
     k = np.searchsorted(ends, s, side="right")  # first span that ends after the token starts
     valid = k < len(spans)
     kk = np.minimum(k, len(spans) - 1)
@@ -193,25 +192,23 @@ def encode_batch(
             rendered.append(e)
     texts = [r[0] for r in rendered if not isinstance(r, TemplateError)]
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and backend.truncation is None and backend.padding is None:
-        encodings = backend.encode_batch(texts, add_special_tokens=False) if texts else []
+    if not texts:
+        encodings = []
+    elif backend is not None and backend.truncation is None and backend.padding is None:
+        encodings = backend.encode_batch(texts, add_special_tokens=False)
     else:
         enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        encodings = (
-            [_Slow(i, o) for i, o in zip(enc["input_ids"], enc["offset_mapping"], strict=True)]
-            if texts
-            else []
-        )
+        pairs = zip(enc["input_ids"], enc["offset_mapping"], strict=True)
+        encodings = [_Slow(ids, offsets) for ids, offsets in pairs]
     out: list[Encoded | TemplateError] = []
-    j = 0
+    encoded = iter(encodings)
     for r in rendered:
         if isinstance(r, TemplateError):
             out.append(r)
             continue
         text, spans, user_starts = r
-        e = encodings[j]
-        j += 1
-        fast = _is_fast_encoding(e)
+        e = next(encoded)
+        fast = not isinstance(e, _Slow)  # a tokenizers Encoding maps chars to tokens itself
         mask = _mask_from_encoding(text, e, spans) if fast else None
         offsets = None
         if mask is None:
@@ -230,10 +227,6 @@ class _Slow:
 
     def __init__(self, ids, offsets):
         self.ids, self.offsets = ids, offsets
-
-
-def _is_fast_encoding(e) -> bool:
-    return hasattr(e, "char_to_token")
 
 
 def chunk(enc: Encoded, max_length: int, mode: str) -> list[tuple[list[int], list[int]]] | str:

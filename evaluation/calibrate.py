@@ -137,11 +137,10 @@ def choose_tree(
     min_speedup: float = 1.05,
     new_tokens: int = 16,
 ) -> tuple[TreeChoice, list[TreeChoice]]:
-    """`tree=auto`: for calibrated trees of growing size, expected speedup = expected tau x
-    plain step time / speculative step time, both measured on this machine by decoding
-    `new_tokens` after `prompt` (all fixed costs included). Returns the best and all candidates.
-    The empty
-    tree (no speculation: speedup 1 by definition) wins unless a tree is expected to beat it by
+    """`tree=auto`: for calibrated trees of growing size, expected speedup = expected tau x plain
+    step time / speculative step time, both measured on this machine by decoding `new_tokens` after
+    `prompt` (all fixed costs included). Returns the best and all candidates. The empty tree (no
+    speculation: speedup 1 by definition) wins unless a tree is expected to beat it by
     `min_speedup`, a margin for timing noise, so the choice does not slow decoding down."""
     empty = Tree.from_paths([])
     decoder.set_tree(empty)

@@ -90,10 +90,7 @@ def jsonl_prompts(path: str | Path, limit: int | None, skips: SkipLog) -> list[P
 def first_turn_prompt(input_ids: list[int], loss_mask: list[int]) -> list[int] | None:
     """The tokens before the first assistant token of a prepared row: the system prompt, the
     first user turn and the assistant header, exactly as the chat template rendered them."""
-    try:
-        first = loss_mask.index(1)
-    except ValueError:
-        return None
+    first = loss_mask.index(1) if 1 in loss_mask else 0
     return input_ids[:first] if first > 0 else None
 
 

@@ -165,28 +165,18 @@ def load_run(name: str, path: Path, train_hint: Path | None = None) -> dict[str,
         meta = _read_json(heads_cfg) if heads_cfg.is_file() else {}
         run["train"] = {
             "dir": str(train_dir),
-            "steps": summary.get("steps"),
-            "fit_s": summary.get("fit_s"),
-            "trainable_params": summary.get("trainable_params"),
+            **{k: summary.get(k) for k in ("steps", "fit_s", "trainable_params")},
             "world_size": summary.get("world_size", 1),
             "strategy": summary.get("strategy"),
             "val_loss": _finite(val.get("val/loss")),
             "tau_est": _finite(val.get("val/tau_est")),
-            "top1": _per_head(val, "top1"),
-            "top5": _per_head(val, "top5"),
-            "top1_base": _per_head(val, "top1_base"),
-            "top5_base": _per_head(val, "top5_base"),
+            **{m: _per_head(val, m) for m in ("top1", "top5", "top1_base", "top5_base")},
             "curves": _read_curves(train_dir),
             "wandb_run": summary.get("wandb_run"),
         }
         if meta:
-            run.update(
-                arch=meta.get("arch"),
-                num_heads=meta.get("num_heads"),
-                num_layers=meta.get("num_layers"),
-                draft_vocab_size=meta.get("draft_vocab_size"),
-                base=(meta.get("base") or {}).get("name"),
-            )
+            keys = ("arch", "num_heads", "num_layers", "draft_vocab_size")
+            run.update({k: meta.get(k) for k in keys}, base=(meta.get("base") or {}).get("name"))
         config.update(_read_config(train_dir / "config.yaml"))
     if eval_dir is not None:
         ev = _read_json(eval_dir / "eval.json")
@@ -196,10 +186,8 @@ def load_run(name: str, path: Path, train_hint: Path | None = None) -> dict[str,
         run.setdefault("base", (ev.get("base") or {}).get("name"))
         run["eval"] = {
             "dir": str(eval_dir),
-            "tau": _finite(ev.get("tau")),
-            "speedup": _finite(ev.get("speedup")),
-            "spec_tokens_per_s": ev.get("spec_tokens_per_s"),
-            "plain_tokens_per_s": ev.get("plain_tokens_per_s"),
+            **{k: _finite(ev.get(k)) for k in ("tau", "speedup")},
+            **{k: ev.get(k) for k in ("spec_tokens_per_s", "plain_tokens_per_s")},
             "acceptance_cumulative": ev.get("acceptance_cumulative") or [],
             "acceptance_conditional": ev.get("acceptance_conditional") or [],
             "accepted_histogram": ev.get("accepted_histogram") or [],
@@ -211,11 +199,8 @@ def load_run(name: str, path: Path, train_hint: Path | None = None) -> dict[str,
             "lossless": ev.get("lossless"),
             "prompts": (ev.get("prompts") or {}).get("items"),
             "new_tokens": ev.get("new_tokens"),
-            "sampling": ev.get("sampling") or {},
-            "hardware": ev.get("hardware") or {},
-            "setup_s": ev.get("setup_s"),
-            "spec_s": ev.get("spec_s"),
-            "plain_s": ev.get("plain_s"),
+            **{k: ev.get(k) or {} for k in ("sampling", "hardware")},
+            **{k: ev.get(k) for k in ("setup_s", "spec_s", "plain_s")},
         }
         config.update({f"eval.{k}": v for k, v in _read_config(eval_dir / "config.yaml").items()})
     tau = run.get("eval", {}).get("tau")
@@ -256,27 +241,21 @@ def _sort_key(sort_by: str):
 
 
 def leaderboard(runs: list[dict], sort_by: str) -> list[dict]:
-    rows = []
-    for rank, r in enumerate(sorted(runs, key=_sort_key(sort_by)), 1):
-        ev, tr = r.get("eval", {}), r.get("train", {})
-        rows.append(
-            {
-                "rank": rank,
-                "name": r["name"],
-                "arch": r.get("arch"),
-                "heads": r.get("num_heads"),
-                "tau": r.get("tau"),
-                "speedup": r.get("speedup"),
-                "tau_est": r.get("tau_est"),
-                "tau_gap": r.get("tau_gap"),
-                "tree_nodes": ev.get("tree_nodes"),
-                "top1_h1": (tr.get("top1") or [None])[0],
-                "val_loss": r.get("val_loss"),
-                "steps": tr.get("steps"),
-                "lossless": ev.get("lossless"),
-            }
-        )
-    return rows
+    return [
+        {
+            "rank": rank,
+            "name": r["name"],
+            "arch": r.get("arch"),
+            "heads": r.get("num_heads"),
+            **{k: r.get(k) for k in ("tau", "speedup", "tau_est", "tau_gap")},
+            "tree_nodes": r.get("eval", {}).get("tree_nodes"),
+            "top1_h1": (r.get("train", {}).get("top1") or [None])[0],
+            "val_loss": r.get("val_loss"),
+            "steps": r.get("train", {}).get("steps"),
+            "lossless": r.get("eval", {}).get("lossless"),
+        }
+        for rank, r in enumerate(sorted(runs, key=_sort_key(sort_by)), 1)
+    ]
 
 
 # -- plots ----------------------------------------------------------------------------------
@@ -288,7 +267,9 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
 
     made: dict[str, str] = {}
 
-    def save(fig, name: str) -> None:
+    def save(fig, ax, name: str, grid: str = "both", **legend: Any) -> None:
+        ax.grid(alpha=0.3, axis=grid)
+        ax.legend(fontsize=8, **legend)
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=110)
         plt.close(fig)
@@ -304,11 +285,10 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
             axes[1].plot(d, [math.nan if c is None else c for c in cond], marker="o")
         axes[0].set(title="cumulative", xlabel="depth", ylabel="accepted share", ylim=(0, 1))
         axes[1].set(title="conditional on the depth before", xlabel="depth", ylim=(0, 1))
+        axes[1].grid(alpha=0.3)
         for ax in axes:
-            ax.grid(alpha=0.3)
             ax.xaxis.get_major_locator().set_params(integer=True)
-        axes[0].legend(fontsize=8)
-        save(fig, "acceptance_by_depth")
+        save(fig, axes[0], "acceptance_by_depth")
     taus = [r for r in runs if r.get("tau") is not None or r.get("tau_est") is not None]
     if taus:
         fig, ax = plt.subplots(figsize=(6.5, 0.9 + 0.45 * len(taus)))
@@ -320,9 +300,8 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
         ax.set_yticks(y, [r["name"] for r in taus])
         ax.invert_yaxis()
         ax.set(xlabel="τ (tokens per base forward)", xlim=(0, max(meas + est + [1.0]) * 1.15))
-        ax.grid(alpha=0.3, axis="x")
-        ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
-        save(fig, "tau_by_run")
+        legend = {"loc": "lower center", "bbox_to_anchor": (0.5, 1.0), "ncol": 2, "frameon": False}
+        save(fig, ax, "tau_by_run", grid="x", **legend)
     if any(r.get("eval", {}).get("auto") for r in runs):
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
         for r in runs:
@@ -337,9 +316,7 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
                     zorder=3, label=f"{r['name']} (τ {ev['tau']:.2f})",
                 )  # fmt: skip
         ax.set(xlabel="tree nodes", ylabel="τ (tokens per base forward)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        save(fig, "tau_vs_tree_size")
+        save(fig, ax, "tau_vs_tree_size")
     curved = [r for r in runs if (r.get("train", {}).get("curves") or {}).get("train/loss")]
     if curved:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
@@ -352,9 +329,7 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
                     marker="o", label=f"{r['name']} val",
                 )  # fmt: skip
         ax.set(xlabel="optimizer step", ylabel="loss (sum over heads)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        save(fig, "loss_curves")
+        save(fig, ax, "loss_curves")
     hists = [r for r in runs if r.get("eval", {}).get("accepted_histogram")]
     if hists:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
@@ -369,9 +344,7 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
         n = max(len(r["eval"]["accepted_histogram"]) for r in hists)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(n)], [str(j) for j in range(n)])
         ax.set(xlabel="draft tokens accepted in a step", ylabel="share of steps")
-        ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8)
-        save(fig, "accepted_histogram")
+        save(fig, ax, "accepted_histogram", grid="y")
     return made
 
 
@@ -400,74 +373,35 @@ def _slashed(series: list[list], i: int) -> str:
 def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of every table, shared by the markdown and the HTML."""
     runs = report["runs"]
-    out = []
-    lb = report["leaderboard"]
-    out.append(
-        (
-            f"Leaderboard (sorted by {report['sort_by']})",
-            [
-                "#",
-                "run",
-                "arch",
-                "K",
-                "τ",
-                "speedup",
-                "τ est. (train)",
-                "gap",
-                "tree",
-                "top-1 h1",
-                "val loss",
-                "steps",
-                "lossless",
-            ],  # fmt: skip
-            [
-                [
-                    str(r["rank"]),
-                    r["name"],
-                    _fmt(r["arch"]),
-                    _fmt(r["heads"]),
-                    _fmt(r["tau"]),
-                    _fmt(r["speedup"], 2) + ("x" if r["speedup"] is not None else ""),
-                    _fmt(r["tau_est"]),
-                    _fmt(r["tau_gap"]),
-                    _fmt(r["tree_nodes"]),
-                    _fmt(r["top1_h1"]),
-                    _fmt(r["val_loss"], 2),
-                    _fmt(r["steps"]),
-                    _fmt(r["lossless"]),
-                ]  # fmt: skip
-                for r in lb
-            ],
-        )
-    )
-    depth = max((len(r.get("eval", {}).get("acceptance_cumulative", [])) for r in runs), default=0)
-    if depth:
-        rows = []
-        for r in runs:
-            ev = r.get("eval", {})
-            cols = [ev.get("acceptance_cumulative", []), ev.get("acceptance_conditional", [])]
-            rows.append([r["name"]] + [_slashed(cols, d) for d in range(depth)])
-        out.append(
-            (
-                "Acceptance by depth (cumulative / conditional)",
-                ["run"] + [f"depth {d + 1}" for d in range(depth)],
-                rows,
-            )
-        )
-    K = max((len(r.get("train", {}).get("top1", [])) for r in runs), default=0)
-    if K:
-        rows = []
-        for r in runs:
-            tr = r.get("train", {})
-            cols = [tr.get("top1", []), tr.get("top5", []), tr.get("top1_base", [])]
-            rows.append([r["name"]] + [_slashed(cols, k) for k in range(K)])
-        out.append(
-            (
-                "Per-head validation accuracy (top-1 / top-5 vs data; top-1 vs base)",
-                ["run"] + [f"head {k + 1}" for k in range(K)],
-                rows,
-            )
-        )
+    header = ["#", "run", "arch", "K", "τ", "speedup", "τ est. (train)", "gap", "tree",
+              "top-1 h1", "val loss", "steps", "lossless"]  # fmt: skip
+    rows = [
+        [
+            str(r["rank"]),
+            r["name"],
+            *(_fmt(r[k]) for k in ("arch", "heads", "tau")),
+            _fmt(r["speedup"], 2) + ("x" if r["speedup"] is not None else ""),
+            *(_fmt(r[k]) for k in ("tau_est", "tau_gap", "tree_nodes", "top1_h1")),
+            _fmt(r["val_loss"], 2),
+            *(_fmt(r[k]) for k in ("steps", "lossless")),
+        ]
+        for r in report["leaderboard"]
+    ]
+    out = [(f"Leaderboard (sorted by {report['sort_by']})", header, rows)]
+    # Per-depth and per-head figures: column i holds entry i of each series, "a / b / c".
+    for title, label, part, keys in (
+        ("Acceptance by depth (cumulative / conditional)", "depth", "eval",
+         ("acceptance_cumulative", "acceptance_conditional")),
+        ("Per-head validation accuracy (top-1 / top-5 vs data; top-1 vs base)", "head", "train",
+         ("top1", "top5", "top1_base")),
+    ):  # fmt: skip
+        n = max((len(r.get(part, {}).get(keys[0], [])) for r in runs), default=0)
+        if n:
+            rows = []
+            for r in runs:
+                cols = [r.get(part, {}).get(k, []) for k in keys]
+                rows.append([r["name"]] + [_slashed(cols, i) for i in range(n)])
+            out.append((title, ["run"] + [f"{label} {i + 1}" for i in range(n)], rows))
     rows = []
     for r in runs:
         ev = r.get("eval", {})
@@ -484,30 +418,13 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 ", ".join(f"{k}={v}" for k, v in hw.items()) or "–",
             ]
         )
-    out.append(
-        (
-            "Hardware and timing",
-            [
-                "run",
-                "spec tok/s",
-                "plain tok/s",
-                "propose / verify / bookkeep ms",
-                "train s",
-                "train ranks",
-                "eval hardware",
-            ],  # fmt: skip
-            rows,
-        )
-    )
+    header = ["run", "spec tok/s", "plain tok/s", "propose / verify / bookkeep ms", "train s",
+              "train ranks", "eval hardware"]  # fmt: skip
+    out.append(("Hardware and timing", header, rows))
     diff = report["config_diff"]
     if diff and len(runs) > 1:
-        out.append(
-            (
-                "Config differences between runs",
-                ["key"] + [r["name"] for r in runs],
-                [[k] + [_cfg_value(v) for v in vals] for k, vals in diff.items()],
-            )
-        )
+        rows = [[k] + [_cfg_value(v) for v in vals] for k, vals in diff.items()]
+        out.append(("Config differences between runs", ["key"] + [r["name"] for r in runs], rows))
     return out
 
 
@@ -566,8 +483,7 @@ def _html(report: dict, out: Path) -> str:
         parts.append(f"<h2>{e(title)}</h2><table><tr>")
         parts += [f"<th>{e(h)}</th>" for h in header]
         parts.append("</tr>")
-        for row in rows:
-            parts.append("<tr>" + "".join(_td(c) for c in row) + "</tr>")
+        parts += ["<tr>" + "".join(_td(c) for c in row) + "</tr>" for row in rows]
         parts.append("</table>")
         if title.startswith("Leaderboard"):
             parts.append(f"<p class='note'>{e(GAP_NOTE)}</p>")

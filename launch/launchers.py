@@ -12,40 +12,30 @@ from launch.config import DeepSpeedLauncher, SlurmLauncher, TorchrunLauncher
 
 def train_overrides(task_overrides: list[str]) -> list[str]:
     """The user's train overrides: the launch command's own keys (launcher.*, dry_run) dropped."""
-    keep = []
-    for o in task_overrides:
-        key = o.lstrip("+~").split("=", 1)[0]
-        if key == "launcher" or key.startswith("launcher.") or key == "dry_run":
-            continue
-        if key in ("trainer.num_nodes", "trainer.devices"):  # the launcher sets these
-            continue
-        keep.append(o)
-    return keep
+    # trainer.num_nodes / trainer.devices are dropped too: the launcher sets them
+    own = ("launcher", "dry_run", "trainer.num_nodes", "trainer.devices")
+    keys = [o.lstrip("+~").split("=", 1)[0] for o in task_overrides]
+    return [
+        o
+        for o, key in zip(task_overrides, keys, strict=True)
+        if key not in own and not key.startswith("launcher.")
+    ]
 
 
-def _q(args: list[str]) -> str:
-    return " ".join(shlex.quote(a) for a in args)
-
-
-def train_command(overrides: list[str], python: str | None = None) -> list[str]:
+def train_command(overrides: list[str]) -> list[str]:
     """What every rank runs."""
-    return [python or sys.executable, "-m", "launch", "train", *overrides]
+    return [sys.executable, "-m", "launch", "train", *overrides]
 
 
 def sbatch_script(
-    sl: SlurmLauncher,
-    overrides: list[str],
-    out: str,
-    workdir: str,
-    python: str | None = None,
-    body: list[str] | None = None,
+    sl: SlurmLauncher, overrides: list[str], out: str, workdir: str, body: list[str] | None = None
 ) -> str:
     """An sbatch script that runs the training with one srun task per device (or, with `body`,
     those shell lines instead, under the same allocation, signal and requeue settings)."""
     resume = [] if any(o.split("=")[0] == "resume" for o in overrides) else ["resume=auto"]
     ranks = [f"trainer.num_nodes={sl.nodes}", f"trainer.devices={sl.tasks_per_node}"]
-    cmd = train_command([*overrides, *ranks, *resume], python)
-    run = body if body is not None else [f"srun --kill-on-bad-exit=1 {_q(cmd)}"]
+    cmd = train_command([*overrides, *ranks, *resume])
+    run = body if body is not None else [f"srun --kill-on-bad-exit=1 {shlex.join(cmd)}"]
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={sl.job_name}",
@@ -58,9 +48,8 @@ def sbatch_script(
     ]
     if sl.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={sl.gpus_per_node}")
-    for key in ("mem", "partition", "account", "qos"):
-        if getattr(sl, key) is not None:
-            lines.append(f"#SBATCH --{key}={getattr(sl, key)}")
+    optional = ("mem", "partition", "account", "qos")
+    lines += [f"#SBATCH --{k}={getattr(sl, k)}" for k in optional if getattr(sl, k) is not None]
     if sl.requeue:
         # Lightning's SLURM environment catches SIGUSR1: saves hpc_ckpt_N.ckpt, requeues the
         # job; the requeued job resumes from it (resume=auto).
@@ -79,40 +68,34 @@ def sbatch_script(
     return "\n".join(lines)
 
 
-def torchrun_commands(
-    tr: TorchrunLauncher, overrides: list[str], python: str | None = None
-) -> list[list[str]]:
+def torchrun_commands(tr: TorchrunLauncher, overrides: list[str]) -> list[list[str]]:
     """One torchrun command per node (node_rank 0 .. nnodes-1)."""
     ranks = [f"trainer.num_nodes={tr.nnodes}", f"trainer.devices={tr.nproc_per_node}"]
-    out = []
-    for rank in range(tr.nnodes):
-        out.append(
-            [
-                python or sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nnodes={tr.nnodes}",
-                f"--nproc_per_node={tr.nproc_per_node}",
-                f"--node_rank={rank}",
-                "--rdzv_backend=c10d",
-                f"--rdzv_endpoint={tr.rdzv_endpoint}",
-                f"--rdzv_id={tr.rdzv_id}",
-                "--module",
-                "launch",
-                "train",
-                *overrides,
-                *ranks,
-            ]
-        )
-    return out
+    return [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={tr.nnodes}",
+            f"--nproc_per_node={tr.nproc_per_node}",
+            f"--node_rank={rank}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={tr.rdzv_endpoint}",
+            f"--rdzv_id={tr.rdzv_id}",
+            "--module",
+            "launch",
+            "train",
+            *overrides,
+            *ranks,
+        ]
+        for rank in range(tr.nnodes)
+    ]
 
 
-def deepspeed_command(
-    ds: DeepSpeedLauncher, overrides: list[str], python: str | None = None
-) -> list[str]:
+def deepspeed_command(ds: DeepSpeedLauncher, overrides: list[str]) -> list[str]:
     ranks = [f"trainer.num_nodes={ds.num_nodes}", f"trainer.devices={ds.num_gpus}"]
     cmd = [
-        python or sys.executable,
+        sys.executable,
         "-m",
         "deepspeed.launcher.runner",
         f"--hostfile={ds.hostfile}",

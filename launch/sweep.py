@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -120,10 +121,9 @@ def _unique_slugs(groups: list[list[str]]) -> list[str]:
 
 
 def grid_points(grid: dict[str, list[Any]]) -> list[list[str]]:
-    keys = list(grid)
     return [
-        [f"{k}={_fmt(v)}" for k, v in zip(keys, combo, strict=True)]
-        for combo in itertools.product(*(grid[k] for k in keys))
+        [f"{k}={_fmt(v)}" for k, v in zip(grid, combo, strict=True)]
+        for combo in itertools.product(*grid.values())
     ]
 
 
@@ -131,20 +131,18 @@ def plan_points(spec: SweepSpec) -> list[dict[str, Any]]:
     """Every (train point, eval point) pair with its dirs; the order they run in."""
     trains = grid_points(spec.grid) or [[]]
     evals = grid_points(spec.eval_grid) or [[]]
-    points = []
-    for tr, tname in zip(trains, _unique_slugs(trains), strict=True):
-        for ev, ename in zip(evals, _unique_slugs(evals), strict=True):
-            points.append(
-                {
-                    "name": tname if not ev else f"{tname}__{ename}",
-                    "train_point": tname,
-                    "train_overrides": tr,
-                    "eval_overrides": ev,
-                    "dir": f"points/{tname}/eval/{ename}",
-                    "status": "pending",
-                }
-            )
-    return points
+    return [
+        {
+            "name": tname if not ev else f"{tname}__{ename}",
+            "train_point": tname,
+            "train_overrides": tr,
+            "eval_overrides": ev,
+            "dir": f"points/{tname}/eval/{ename}",
+            "status": "pending",
+        }
+        for tr, tname in zip(trains, _unique_slugs(trains), strict=True)
+        for ev, ename in zip(evals, _unique_slugs(evals), strict=True)
+    ]
 
 
 @contextmanager
@@ -231,8 +229,6 @@ def eval_command(cfg: SweepConfig, out: Path, point: dict) -> list[str]:
 
 def _run_logged(cmd: list[str], logfile: Path) -> int:
     """Run one CLI step, its output appended to `logfile`; the exit status."""
-    import shlex
-
     logfile.parent.mkdir(parents=True, exist_ok=True)
     with logfile.open("a") as fh:
         fh.write(f"\n$ {shlex.join(cmd)}\n")
@@ -251,8 +247,6 @@ def _tail(logfile: Path, n: int = 5) -> str:
 
 def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
     """Run (or resume) every unfinished point; return the final sweep.json content."""
-    import shlex
-
     out = Path(cfg.out).expanduser().resolve()
     spec = cfg.sweep
     if cfg.dry_run:
@@ -373,8 +367,6 @@ def _live_jobs(jobs: dict[str, str]) -> dict[str, str]:
 def submit_points(cfg: SweepConfig, out: Path, state: dict) -> dict[str, Any]:
     """One sbatch job per unfinished train point. The job runs this sweep for its point only:
     training under srun on every task (requeued on pre-emption, resumed), then the evals."""
-    import shlex
-
     from launch.launchers import sbatch_script
 
     sl = cfg.slurm

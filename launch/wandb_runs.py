@@ -104,14 +104,11 @@ def log_eval(res: dict[str, Any]) -> str | None:
             if res.get(k) is not None
         }
         scalars["eval/tree_nodes"] = res["tree"]["num_nodes"]
-        depth = wandb.Table(columns=["depth", "cumulative", "conditional"])
-        for d, (cum, cond) in enumerate(
-            zip(res["acceptance_cumulative"], res["acceptance_conditional"], strict=True), 1
-        ):
-            depth.add_data(d, cum, cond)
-        hist = wandb.Table(columns=["accepted", "steps"])
-        for n, c in enumerate(res["accepted_histogram"]):
-            hist.add_data(n, c)
+        cum, cond = res["acceptance_cumulative"], res["acceptance_conditional"]
+        rows = [[d, a, c] for d, (a, c) in enumerate(zip(cum, cond, strict=True), 1)]
+        depth = wandb.Table(columns=["depth", "cumulative", "conditional"], data=rows)
+        rows = [[n, c] for n, c in enumerate(res["accepted_histogram"])]
+        hist = wandb.Table(columns=["accepted", "steps"], data=rows)
         run.log({**scalars, "eval/acceptance_by_depth": depth, "eval/accepted_histogram": hist})
         run.summary.update(scalars)
     finally:
@@ -146,9 +143,8 @@ def log_report(rep: Any, required: bool = False) -> dict[str, str]:
         if run is None:
             continue
         try:
-            table = wandb.Table(columns=columns)
-            for row in rep.data["leaderboard"]:
-                table.add_data(*[row[c] for c in columns])
+            rows = [[row[c] for c in columns] for row in rep.data["leaderboard"]]
+            table = wandb.Table(columns=columns, data=rows)
             images = {
                 f"report/{name}": wandb.Image(str(out / file))
                 for name, file in rep.data["plots"].items()

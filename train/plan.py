@@ -52,8 +52,7 @@ def strategy_of(trainer: dict) -> str:
             zero = json.loads(Path(cfg).read_text()).get("zero_optimization", {})
         elif isinstance(cfg, dict):
             zero = cfg.get("zero_optimization", {})
-        stage = int(zero.get("stage", 2))
-        if stage == 3:
+        if int(zero.get("stage", 2)) == 3:
             return "zero3_offload" if zero.get("offload_param") else "zero3"
         return "zero2"
     if "FSDP" in target or "fsdp" in target:
@@ -67,15 +66,13 @@ def setup_of(trainer: dict, base_dtype: str) -> Setup:
     devices = trainer.get("devices", 1)
     devices = devices if isinstance(devices, int) else 1
     world = devices * int(trainer.get("num_nodes", 1) or 1)
-    precision = str(trainer.get("precision", "32-true"))
-    half = precision.startswith(("bf16", "16"))
-    base_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(base_dtype, 2)
+    half = str(trainer.get("precision", "32-true")).startswith(("bf16", "16"))
     return Setup(
         world=world,
         strategy=strategy_of(trainer) if world > 1 else "single",
         device="cpu" if trainer.get("accelerator") == "cpu" else "gpu",
         act_bytes=2 if half else 4,
-        base_bytes=base_bytes,
+        base_bytes=4 if base_dtype == "float32" else 2,  # bfloat16 / float16 / auto
     )
 
 
@@ -97,9 +94,7 @@ def head_params(head_cfg, arch: dict) -> int:
 
     shape = {k: v for k, v in arch.items() if v is not None}
     V, H = arch["vocab_size"], arch["hidden_size"]
-    draft = None
-    if head_cfg.draft_vocab_size:
-        draft = torch.arange(min(head_cfg.draft_vocab_size, V))
+    draft = torch.arange(min(head_cfg.draft_vocab_size, V)) if head_cfg.draft_vocab_size else None
     with torch.device("meta"):
         heads = build_heads(head_cfg, shape, torch.empty(V, H), draft)
     return sum(p.numel() for p in heads.parameters() if p.requires_grad)
@@ -140,9 +135,7 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
         p, g, o = p / W + working, g / W, o / W
     elif st.strategy == "ddp":
         g *= 2  # gradient buckets
-    rows["heads weights"] = p
-    rows["heads grads"] = g
-    rows["heads AdamW states"] = o
+    rows.update({"heads weights": p, "heads grads": g, "heads AdamW states": o})
     # base forward (no grad): one layer's transients + the hidden states kept for the heads
     BT = B * T
     rows["base forward activations"] = 0 if cfg.data.offline else BT * (5 * H + 3 * inter) * a
@@ -229,16 +222,8 @@ def base_arch(base) -> dict[str, Any]:
     if base.source == "tiny_random":
         from train.core.base import tiny_tokenizer
 
-        t = base.tiny
-        return {
-            "hidden_size": t.hidden_size,
-            "num_hidden_layers": t.num_hidden_layers,
-            "intermediate_size": t.intermediate_size,
-            "num_attention_heads": t.num_attention_heads,
-            "num_key_value_heads": t.num_key_value_heads,
-            "vocab_size": len(tiny_tokenizer()),
-            "tie_word_embeddings": t.tie_word_embeddings,
-        }
+        vocab = len(tiny_tokenizer())
+        return {k: vocab if k == "vocab_size" else getattr(base.tiny, k) for k in ARCH_KEYS}
     from transformers import AutoConfig
 
     from train.core.base import BaseLoadError, _ensure_gguf_cache, _resolve_pretrained, resolve_gguf

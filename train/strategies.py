@@ -93,9 +93,7 @@ class HeadsDeepSpeedStrategy(DeepSpeedStrategy):
         from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 
         cfg: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
-        for k in ("fp16", "bf16"):
-            if k in self.config:
-                cfg[k] = self.config[k]
+        cfg.update({k: self.config[k] for k in ("fp16", "bf16") if k in self.config})
         if self.zero_stage_3:
             cfg.update(
                 zero_allow_untested_optimizer=self.config["zero_allow_untested_optimizer"],
@@ -111,11 +109,6 @@ class HeadsDeepSpeedStrategy(DeepSpeedStrategy):
             model_parameters=[],
             dist_init_required=False,
         )
-
-
-def is_partitioned(param) -> bool:
-    """A ZeRO-3 parameter whose full data lives on no single rank right now."""
-    return hasattr(param, "ds_numel") and param.numel() != param.ds_numel
 
 
 def gathered(params):

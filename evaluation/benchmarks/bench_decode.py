@@ -127,17 +127,11 @@ def main() -> None:
     console.print(f"output projection, one row: {row * 1e3:.1f} ms ({row / plain:.2f}x plain step)")
 
     # 2. proposal and whole-step cost per tree, break-even tau
-    calib = calibrate(
-        model,
-        heads,
-        calibration_rows(ds, next_row, from_group(CalibratedTree, "tree", "calibrated")),
-        10,
-    )
+    rows = calibration_rows(ds, next_row, from_group(CalibratedTree, "tree", "calibrated"))
+    calib = calibrate(model, heads, rows, 10)
     trees = {
         "chain": chain(heads.num_heads),
-        "sparse_7": PRESETS["sparse_7"],
-        "sparse_15": PRESETS["sparse_15"],
-        "mc_sim_7b_63": PRESETS["mc_sim_7b_63"],
+        **{name: PRESETS[name] for name in ("sparse_7", "sparse_15", "mc_sim_7b_63")},
         **{f"calibrated_{n}": grow(calib.acc, n) for n in (4, 8, 16, 32, 64)},
     }
     prompt = prompts[0]
@@ -149,15 +143,8 @@ def main() -> None:
         title=f"speculative step vs plain step ({plain_step * 1e3:.1f} ms) after a "
         f"{len(prompt)}-token prompt"
     )
-    for col in (
-        "tree",
-        "nodes",
-        "propose ms",
-        "x plain",
-        "step ms",
-        "break-even tau",
-        "expected tau",
-    ):
+    for col in ("tree", "nodes", "propose ms", "x plain", "step ms", "break-even tau",
+                "expected tau"):  # fmt: skip
         t.add_column(col, justify="right")
     for name, paths in trees.items():
         tree = Tree.from_paths(paths, heads.num_heads)

@@ -145,7 +145,7 @@ def chunked_total(x: Inputs, p: Problem) -> torch.Tensor:
     """(b) the training path: per head, chunk by chunk, gradient computed in the forward."""
     from train.losses import fused_head_loss
 
-    total: torch.Tensor | None = None
+    terms = []
     for k in range(p.heads):
         out = fused_head_loss(
             x.states[k],
@@ -159,10 +159,8 @@ def chunked_total(x: Inputs, p: Problem) -> torch.Tensor:
             temperature=p.temperature,
             chunk_size=p.chunk_size,
         )
-        term = p.head_weights[k] * out.loss
-        total = term if total is None else total + term
-    assert total is not None  # heads >= 1
-    return total
+        terms.append(p.head_weights[k] * out.loss)
+    return sum(terms)  # 0 + the first term is that term exactly
 
 
 TotalFn = Callable[[Inputs, Problem], "torch.Tensor"]
@@ -250,17 +248,10 @@ def run_variant(variant: str, p: Problem, repeats: int) -> Measurement:
 
 def measure_in_subprocess(variant: str, p: Problem, repeats: int) -> Measurement:
     """Re-invoke this script for one variant; it prints its Measurement as the last stdout line."""
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--variant",
-        variant,
-        "--repeats",
-        str(repeats),
-    ]
-    cmd += ["--heads", str(p.heads), "--vocab", str(p.vocab), "--seq", str(p.seq)]
-    cmd += ["--batch", str(p.batch), "--hidden", str(p.hidden), "--chunk-size", str(p.chunk_size)]
-    cmd += ["--lm-weight", str(p.lm_weight), "--distill-weight", str(p.distill_weight)]
+    script = os.path.abspath(__file__)
+    cmd = [sys.executable, script, f"--variant={variant}", f"--repeats={repeats}"]
+    for name in (*DEFAULTS, "lm_weight", "distill_weight"):  # the problem, as this script's flags
+        cmd.append(f"--{name.replace('_', '-')}={getattr(p, name)}")
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr passes through
     if proc.returncode != 0:
         hint = " (killed: out of memory?)" if proc.returncode in (-9, 137) else ""
@@ -429,12 +420,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # subprocess mode
     args = parser.parse_args(argv)
-    sizes = {
-        k: getattr(args, k)
-        if getattr(args, k) is not None
-        else (SMALL if args.small else DEFAULTS)[k]
-        for k in DEFAULTS
-    }
+    preset = SMALL if args.small else DEFAULTS
+    sizes = {k: preset[k] if getattr(args, k) is None else getattr(args, k) for k in DEFAULTS}
     if min(sizes.values()) < 1 or args.repeats < 1:
         parser.error("sizes, --chunk-size and --repeats must be positive integers")
     if args.lm_weight < 0 or args.distill_weight < 0 or args.lm_weight + args.distill_weight == 0:

@@ -74,8 +74,7 @@ class Run:
     losses: list[float] = field(default_factory=list)
 
     def s_per_step(self, warmup: int) -> float:
-        n = len(self.ends) - warmup
-        return (self.ends[-1] - self.ends[warmup - 1]) / n
+        return (self.ends[-1] - self.ends[warmup - 1]) / (len(self.ends) - warmup)
 
     def in_step_s(self, warmup: int) -> float:
         return statistics.fmean(self.in_step[warmup:])
@@ -123,19 +122,14 @@ def ensure_prepared(out: Path, base: str, conversations: int, max_length: int) -
         return 0.0
     from data_prep.prepare import prepare
 
-    cfg = to_typed(
-        compose(
-            "prep",
-            [
-                f"base={base}",
-                f"data.max_conversations={conversations}",
-                f"data.max_length={max_length}",
-                "cache_hidden=true",
-                f"out={out}",
-            ],
-        ),
-        PrepConfig,
-    )
+    overrides = [
+        f"base={base}",
+        f"data.max_conversations={conversations}",
+        f"data.max_length={max_length}",
+        "cache_hidden=true",
+        f"out={out}",
+    ]
+    cfg = to_typed(compose("prep", overrides), PrepConfig)
     console.print(f"preparing {conversations} conversations with cached hidden states -> {out}")
     t0 = time.perf_counter()
     prepare(cfg)
@@ -217,14 +211,9 @@ def load_average() -> str:
 
 def busy_processes() -> str:
     """Other processes using CPU now (the machine may be shared with another benchmark)."""
+    cmd = ["ps", "-eo", "pid=,pcpu=,comm=", "--sort=-pcpu"]
     try:
-        out = subprocess.run(
-            ["ps", "-eo", "pid=,pcpu=,comm=", "--sort=-pcpu"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=5,
-        ).stdout
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=5).stdout
     except (OSError, subprocess.SubprocessError):
         return "?"
     rows = []
@@ -287,9 +276,8 @@ def check_same_work(runs: dict[str, list[Run]]) -> None:
     """Every run saw the same batches; plain and Lightning online computed the same losses."""
     ref = runs["plain"][0]
     for v, rs in runs.items():
-        for r in rs:
-            if r.batch_keys != ref.batch_keys:
-                raise RuntimeError(f"{v} saw other batches than plain: the comparison is unfair")
+        if any(r.batch_keys != ref.batch_keys for r in rs):
+            raise RuntimeError(f"{v} saw other batches than plain: the comparison is unfair")
 
     def max_diff(variant: str) -> float:
         return max(

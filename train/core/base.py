@@ -216,15 +216,9 @@ def _resolve_pretrained(cfg: BaseConfig) -> str:
 
 def _byte_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode map used by byte-level BPE."""
-    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    chars = list(keep)
-    n = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(keep, map(chr, chars), strict=True))
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]  # printable: map to themselves
+    moved = [b for b in range(256) if b not in keep]  # the rest: to 256, 257, ... in byte order
+    return {b: chr(b) for b in keep} | {b: chr(256 + n) for n, b in enumerate(moved)}
 
 
 def tiny_tokenizer():
@@ -348,6 +342,14 @@ def model_dir(cfg: BaseConfig) -> str:
     raise BaseLoadError(f"base.source={cfg.source} has no model directory")
 
 
+def _check_vocab(vocab_size: int, tokenizer: Any) -> None:
+    if vocab_size < len(tokenizer):
+        raise BaseLoadError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+            f"{vocab_size}: base.path points at mismatched files."
+        )
+
+
 def _read_tensor(directory: Path, names: list[str]) -> torch.Tensor:
     """The first of `names` found in the safetensors files of `directory`, read alone."""
     from safetensors import safe_open
@@ -403,11 +405,7 @@ class DeferredBase:
         self._out_names = [
             n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is out_w
         ]
-        if self.vocab_size < len(self.tokenizer):
-            raise BaseLoadError(
-                f"tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is "
-                f"{self.vocab_size}: base.path points at mismatched files."
-            )
+        _check_vocab(self.vocab_size, self.tokenizer)
 
     vocab_size = FrozenBase.vocab_size
     hidden_size = FrozenBase.hidden_size
@@ -417,14 +415,12 @@ class DeferredBase:
 
     def output_weight(self) -> torch.Tensor:
         w = _read_tensor(self.dir, self._out_names)
-        dtype = None if self.cfg.dtype == "auto" else DTYPES[self.cfg.dtype]
-        return w if dtype is None else w.to(dtype)
+        return w.to(DTYPES[self.cfg.dtype]) if self.cfg.dtype in DTYPES else w  # auto: as stored
 
     def load(self, ds_config: dict | None) -> nn.Module:
         """The frozen model; with a ZeRO-3 `ds_config` it is built partitioned across ranks."""
         from transformers import AutoModelForCausalLM
 
-        dtype = None if self.cfg.dtype == "auto" else DTYPES[self.cfg.dtype]
         keep = None
         if ds_config is not None:
             from transformers.integrations import HfDeepSpeedConfig
@@ -434,7 +430,7 @@ class DeferredBase:
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 str(self.dir),
-                dtype=dtype if dtype is not None else "auto",
+                dtype=DTYPES.get(self.cfg.dtype, "auto"),
                 trust_remote_code=self.cfg.trust_remote_code,
             )
         finally:
@@ -451,13 +447,7 @@ def _tiny_model(cfg: BaseConfig, vocab_size: int, dtype: torch.dtype | None):
     t = cfg.tiny
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_hidden_layers,
-        num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads,
-        max_position_embeddings=t.max_position_embeddings,
-        tie_word_embeddings=t.tie_word_embeddings,
+        **t.model_dump(exclude={"seed"}),  # the other TinyConfig keys are LlamaConfig's own
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
@@ -486,27 +476,7 @@ def load_base(cfg: BaseConfig, device: str | torch.device = "cpu") -> FrozenBase
             model = _load_gguf_uncached(gguf, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            _resolve_pretrained(cfg),
-            dtype=dtype if dtype is not None else "auto",
-            trust_remote_code=cfg.trust_remote_code,
+            _resolve_pretrained(cfg), dtype=dtype or "auto", trust_remote_code=cfg.trust_remote_code
         )
-    if getattr(model.config, "vocab_size", 0) < len(tokenizer):
-        raise BaseLoadError(
-            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-            f"{model.config.vocab_size}: base.path points at mismatched files."
-        )
+    _check_vocab(getattr(model.config, "vocab_size", 0), tokenizer)
     return FrozenBase(model.to(device), tokenizer, cfg)
-
-
-__all__ = [
-    "BaseConfig",
-    "BaseLoadError",
-    "DeferredBase",
-    "FrozenBase",
-    "TinyConfig",
-    "cache_root",
-    "freeze",
-    "load_base",
-    "load_tokenizer",
-    "tiny_tokenizer",
-]
