@@ -82,6 +82,25 @@ def tiny_prepared(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smol_prepared(tmp_path_factory) -> Path:
+    """Bundled ShareGPT prepared for SmolLM2 by the real `hydra-heads prep` (60 conversations,
+    512 tokens, 20% held out), once per session: the smoke tests and the SmolLM2 memory plan
+    test read it; none of them writes into it."""
+    from tests.helpers import run
+
+    out = tmp_path_factory.mktemp("smol") / "data"
+    r = run(
+        "prep",
+        "data.max_conversations=60",
+        "data.max_length=512",
+        "data.val_fraction=0.2",
+        f"out={out}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_base():
     """The tiny random Llama of conf/base/tiny_random.yaml, frozen, with its tokenizer."""
     from train.core.base import load_base

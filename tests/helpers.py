@@ -135,6 +135,60 @@ def run(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.C
     )
 
 
+def run_here(*args: str) -> subprocess.CompletedProcess:
+    """`hydra-heads <args>` run by the CLI's own `main` in this process: the same argv parsing,
+    hydra app, exit status and stdout / stderr text as `run`, without the ~5 s a new
+    interpreter spends importing torch, transformers and lightning. For tests of what a
+    command does, not of the process boundary (`run` stays for environment, signals, wandb,
+    multi-process launchers and the CLI tests themselves). What the CLI changes process-wide
+    (argv, __main__.__spec__, the environment, logging, warning filters, torch threads) is put
+    back afterwards, so tests that follow see no trace of it."""
+    import contextlib
+    import io
+    import logging
+    import traceback
+    import warnings
+
+    import __main__
+    from launch.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    argv, spec, env = sys.argv, getattr(__main__, "__spec__", None), dict(os.environ)
+    threads = torch.get_num_threads()
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    log_state = [(lg, lg.level, lg.propagate, lg.disabled, lg.handlers[:]) for lg in loggers]
+    code = 0
+    try:
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            try:
+                main(list(args))
+            except SystemExit as e:  # as the interpreter reports it: None 0, a message 1
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:  # noqa: BLE001 - an uncaught error: traceback and status 1
+                traceback.print_exc()
+                code = 1
+        for w in caught:  # onto its stderr, as the process would print them
+            err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno))
+    finally:
+        sys.argv = argv  # the CLI binds a new list: this is the untouched original
+        __main__.__spec__ = spec
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(threads)
+        for lg, level, propagate, disabled, handlers in log_state:
+            lg.setLevel(level)
+            lg.propagate, lg.disabled, lg.handlers[:] = propagate, disabled, handlers
+    return subprocess.CompletedProcess([CLI, *args], code, out.getvalue(), err.getvalue())
+
+
 def slurm_up() -> bool:
     """A SLURM controller answers (CI starts one: launch/slurm/local_cluster_up.sh)."""
     if not shutil.which("sbatch"):

@@ -12,10 +12,10 @@ import datasets
 from tests.helpers import run
 
 
-def test_prep_on_bundled_sharegpt_with_smollm2(tmp_path):
-    out = tmp_path / "data"
-    r = run("prep", "data.max_conversations=60", "data.max_length=512", f"out={out}")
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_prep_on_bundled_sharegpt_with_smollm2(smol_prepared):
+    """`hydra-heads prep data.max_conversations=60 data.max_length=512` (the session's
+    `smol_prepared`, which the next test trains on)."""
+    out = smol_prepared
     stats = json.loads((out / "prep_stats.json").read_text())
     assert stats["records_read"] == 60
     assert 40 <= stats["conversations_kept"] <= 60
@@ -45,17 +45,9 @@ def test_prep_on_bundled_sharegpt_with_smollm2(tmp_path):
     assert runs and all(tok.decode(x).endswith("<|im_end|>") for x in runs)
 
 
-def test_prep_then_train_hydra_pp_on_smollm2(tmp_path):
+def test_prep_then_train_hydra_pp_on_smollm2(smol_prepared, tmp_path):
     """Real base, real data: a few Hydra++ steps, heads exported and loadable on SmolLM2."""
-    data = tmp_path / "data"
-    r = run(
-        "prep",
-        "data.max_conversations=40",
-        "data.max_length=256",
-        "data.val_fraction=0.2",
-        f"out={data}",
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    data = smol_prepared  # the real `hydra-heads prep` of bundled ShareGPT, checked above
     out = tmp_path / "train"
     r = run(
         "train",
@@ -64,6 +56,7 @@ def test_prep_then_train_hydra_pp_on_smollm2(tmp_path):
         f"out={out}",
         "trainer.max_steps=3",
         "data.batch_size=2",
+        "data.max_length=256",  # cut to 256 tokens: half the base's work per step at 512
         "head.draft_vocab_size=2048",
         "data.max_val_samples=4",
         "trainer.val_check_interval=1000",

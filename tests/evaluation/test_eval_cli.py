@@ -1,4 +1,8 @@
-"""`hydra-heads eval` end to end on the tiny model: eval.json figures, trees, prompts, errors."""
+"""`hydra-heads eval` end to end on the tiny model: eval.json figures, trees, prompts, errors.
+
+The first eval runs the real `hydra-heads` process; the others run the same command line in
+this process (`run_here`: same parsing, exit status and output, no new interpreter's imports).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import make_heads, pattern_rows, prep_config, run
+from tests.helpers import make_heads, pattern_rows, prep_config, run, run_here
 
 
 def _save_heads(root: Path, base, prepared: Path) -> Path:
@@ -27,23 +31,47 @@ def tiny_heads(tmp_path_factory, tiny_prepared, tiny_base) -> Path:
     return _save_heads(tmp_path_factory.mktemp("heads"), tiny_base, tiny_prepared)
 
 
-def _eval(heads: Path, out: Path, *args: str):
+@pytest.fixture(scope="module")
+def trained_heads(tmp_path_factory, tiny_prepared) -> Path:
+    """Hydra++ heads that `hydra-heads train` fitted to the counting data (60 steps): unlike
+    fresh heads, which all echo the base's next token, head 1 already predicts the token after
+    it, so a calibrated tree has a root to grow from."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    r = run_here(
+        "train",
+        "base=tiny_random",
+        "head=hydra_pp",
+        f"data.prepared={tiny_prepared}",
+        f"out={out}",
+        "trainer.max_steps=60",
+        "trainer.val_check_interval=1000",
+        "final_validation=false",
+        "data.batch_size=4",
+        "optim.lr=3e-3",
+        "logger=csv",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out / "heads"
+
+
+def _eval(heads: Path, out: Path, *args: str, cli=run_here):
     """`hydra-heads eval` that must succeed: (the process, its eval.json)."""
-    r = run("eval", f"heads={heads}", f"out={out}", *args)
+    r = cli("eval", f"heads={heads}", f"out={out}", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     return r, json.loads((out / "eval.json").read_text())
 
 
-def test_eval_calibrated_tree_writes_figures_and_is_lossless(tiny_heads, tmp_path):
+def test_eval_calibrated_tree_writes_figures_and_is_lossless(trained_heads, tmp_path):
     out = tmp_path / "eval"
     r, res = _eval(
-        tiny_heads,
+        trained_heads,
         out,
         "tree=calibrated",
         "tree.budget=12",
         "tree.calibration_rows=6",
         "eval.num_prompts=3",
         "eval.max_new_tokens=24",
+        cli=run,  # the real process, once
     )
     assert res["lossless"] is True and res["mismatches"] == []
     assert res["prompts"]["items"] == 3 and len(res["records"]) == 3
@@ -58,7 +86,7 @@ def test_eval_calibrated_tree_writes_figures_and_is_lossless(tiny_heads, tmp_pat
     # the saved tree is reusable as is
     again = tmp_path / "again"
     _, res2 = _eval(
-        tiny_heads,
+        trained_heads,
         again,
         "tree=file",
         f"tree.path={out / 'tree.json'}",
@@ -117,7 +145,7 @@ def test_eval_sampling_reports_without_lossless_check(tiny_heads, tmp_path):
 def test_eval_bad_input_fails_clearly(tiny_heads, tmp_path, args, message):
     own_heads = any(a.startswith("heads=") for a in args)
     full = [*([] if own_heads else [f"heads={tiny_heads}"]), f"out={tmp_path / 'e'}", *args]
-    r = run("eval", *full)
+    r = run_here("eval", *full)
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
     assert message in r.stderr and "Traceback" not in r.stderr
 
@@ -165,7 +193,7 @@ def test_eval_auto_tree_without_held_out_rows_says_what_is_missing(
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "count from 1 by 2"}) + "\n")
     args = [f"eval.prompts={prompts}"] if with_prompts else []
-    r = run("eval", f"heads={heads_without_validation}", f"out={tmp_path / 'e'}", *args)
+    r = run_here("eval", f"heads={heads_without_validation}", f"out={tmp_path / 'e'}", *args)
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
     assert "Traceback" not in r.stderr
     message = next(line for line in r.stderr.splitlines() if line.startswith("error: "))

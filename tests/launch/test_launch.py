@@ -9,7 +9,7 @@ import pytest
 
 from launch.config import SlurmLauncher
 from launch.launchers import sbatch_script, train_overrides
-from tests.helpers import run, slurm_up
+from tests.helpers import run, run_here, slurm_up
 from train.core.config import from_group
 
 TRAIN = ["out=/tmp/job", "data.prepared=/tmp/p"]
@@ -49,7 +49,8 @@ def test_sbatch_script_from_a_recipe():
 
 
 def test_torchrun_and_deepspeed_commands():
-    r = run(
+    # in this process: test_sbatch_script_from_a_recipe runs `hydra-heads launch` for real
+    r = run_here(
         "launch",
         "launcher=torchrun",
         "trainer=ddp",
@@ -62,7 +63,7 @@ def test_torchrun_and_deepspeed_commands():
     nodes = [x for x in r.stdout.splitlines() if "torch.distributed.run" in x]
     assert len(nodes) == 2 and "--node_rank=1" in nodes[1]
     assert all("--rdzv_endpoint=node0:29400" in x and "--module launch train" in x for x in nodes)
-    r = run(
+    r = run_here(
         "launch",
         "launcher=deepspeed",
         "trainer=deepspeed_zero2",
@@ -75,7 +76,7 @@ def test_torchrun_and_deepspeed_commands():
 
 
 def test_launch_validates_the_train_config_first():
-    r = run("launch", "trainer.max_steps=-3", "dry_run=true", *TRAIN)
+    r = run_here("launch", "trainer.max_steps=-3", "dry_run=true", *TRAIN)
     assert r.returncode == 2 and "trainer.max_steps" in r.stderr
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run, slurm_up
+from tests.helpers import run, run_here, slurm_up
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,8 @@ def test_sweep_runs_reports_and_resumes_after_a_kill(tiny_prepared, tmp_path):
     report_md = out / "report" / "report.md"
     assert "head-medusa" in report_md.read_text()  # the report already covers finished points
 
-    r = run("sweep", *args)
+    # The resumed sweep runs in this process (its points still run as `hydra-heads` processes).
+    r = run_here("sweep", *args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     final = _state(out)["points"]
     assert [p["status"] for p in final] == ["done", "done"]
@@ -77,14 +78,16 @@ def test_sweep_runs_reports_and_resumes_after_a_kill(tiny_prepared, tmp_path):
 
     # A third run has nothing left to do: no new train or eval step.
     before = {p.name: p.stat().st_size for p in (out / "logs").iterdir()}
-    r = run("sweep", *args)
+    r = run_here("sweep", *args)
     assert r.returncode == 0
     assert {p.name: p.stat().st_size for p in (out / "logs").iterdir()} == before
 
 
 def test_sweep_refuses_a_changed_grid_and_bad_keys(tiny_prepared, tmp_path):
+    # `hydra-heads sweep` in this process: none of these runs a point (the sweep above runs the
+    # real command), so each would mostly pay a new interpreter's imports
     out = tmp_path / "sweep"
-    r = run("sweep", *sweep_args(out, tiny_prepared), "dry_run=true")
+    r = run_here("sweep", *sweep_args(out, tiny_prepared), "dry_run=true")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "head-medusa [pending]" in r.stdout and "resume=auto" in r.stdout
     assert not out.exists()  # a dry run writes nothing, so a corrected grid is still welcome
@@ -100,23 +103,23 @@ def test_sweep_refuses_a_changed_grid_and_bad_keys(tiny_prepared, tmp_path):
     write_json(out / "sweep.json", load_state(out, cfg.sweep))
     changed = [a if not a.startswith("sweep.grid") else "sweep.grid={head:[hydra_pp]}" for a in
                sweep_args(out, tiny_prepared)]  # fmt: skip
-    r = run("sweep", *changed, "dry_run=true")
+    r = run_here("sweep", *changed, "dry_run=true")
     assert r.returncode == 2 and "belongs to a different sweep: sweep.grid changed" in r.stderr
-    r = run("sweep", *sweep_args(out, tiny_prepared), "dry_run=true", "sweep.sort_by=speedup")
+    r = run_here("sweep", *sweep_args(out, tiny_prepared), "dry_run=true", "sweep.sort_by=speedup")
     assert r.returncode == 0  # the report's order is not the sweep's identity
-    r = run("sweep", *sweep_args(out, tiny_prepared), "sweep.sort_by=vibes")
+    r = run_here("sweep", *sweep_args(out, tiny_prepared), "sweep.sort_by=vibes")
     assert r.returncode == 2 and "sweep.sort_by" in r.stderr
-    r = run("sweep", f"out={tmp_path / 'x'}", "sweep.grid={head:[]}")
+    r = run_here("sweep", f"out={tmp_path / 'x'}", "sweep.grid={head:[]}")
     assert r.returncode == 2 and "sweep.grid.head" in r.stderr
     # the command-line grid (hydra multirun style) replaces the file's; values keep brackets
-    r = run("sweep", f"out={tmp_path / 'z'}", "dry_run=true",
+    r = run_here("sweep", f"out={tmp_path / 'z'}", "dry_run=true",
             'grid=["head.num_layers=1,2","optim.betas=[0.9,0.99],[0.8,0.9]"]')  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("[pending]") == 4
     assert "head.num_layers=2 'optim.betas=[0.8,0.9]'" in r.stdout
-    r = run("sweep", f"out={tmp_path / 'w'}", "dry_run=true", 'grid=["head"]')
+    r = run_here("sweep", f"out={tmp_path / 'w'}", "dry_run=true", 'grid=["head"]')
     assert r.returncode == 2 and "a key, '=', comma-separated values" in r.stderr
-    r = run(
+    r = run_here(
         "sweep",
         f"out={tmp_path / 'y'}",
         "only=nope",
@@ -140,7 +143,7 @@ def test_sweep_points_as_slurm_jobs(tiny_prepared, tmp_path):
         queued = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True)
         if jobs and not jobs & set(queued.stdout.split()):
             break
-        time.sleep(2)
+        time.sleep(0.5)
     logs = " ".join(p.read_text()[-1500:] for p in out.rglob("slurm-*.out"))
     assert [p["status"] for p in _state(out)["points"]] == ["done", "done"], logs
     assert set(_state(out)["jobs"]) == {"head-medusa", "head-hydra"}
@@ -150,8 +153,8 @@ def test_sweep_points_as_slurm_jobs(tiny_prepared, tmp_path):
     log = (out / "logs" / "head-hydra.log").read_text()
     assert "$ srun --kill-on-bad-exit=1 " in log and " -m launch eval " in log
     assert list((out / "points" / "head-hydra").glob("slurm-*.out"))
-    # submitting again while nothing is left to do submits nothing
-    r = run("sweep", *sweep_args(out, tiny_prepared), *slurm)
+    # submitting again while nothing is left to do submits nothing (no job: in this process)
+    r = run_here("sweep", *sweep_args(out, tiny_prepared), *slurm)
     assert r.returncode == 0 and "submitted" not in r.stdout
 
 

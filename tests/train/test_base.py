@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -70,14 +72,46 @@ def test_config_rejects_incomplete_sources():
 
 def test_gguf_and_cached_safetensors_give_identical_logits(tmp_path, monkeypatch):
     """The real SmolLM2 GGUF, loaded directly and through its converted cache, is one model."""
+    from transformers import AutoTokenizer
+
+    import train.core.base as base_mod
     from tests.helpers import prep_config
 
+    # Reading the GGUF (~20 s to dequantize, ~6 s for its tokenizer) happens once: the
+    # conversion into the empty cache reads it with the very calls a direct load makes, so the
+    # direct load below is handed those objects when it asks for the same file and dtype (any
+    # other call runs for real).
+    real_model, real_tok = base_mod._load_gguf_uncached, AutoTokenizer.from_pretrained
+    dequantized: dict = {}
+    tokenizers: dict = {}
+
+    def load_once(gguf, dtype):
+        key = (Path(gguf).resolve(), dtype or torch.float32)
+        if key not in dequantized:
+            dequantized[key] = real_model(gguf, dtype)
+        return dequantized[key]
+
+    def tokenizer_once(path, *args, **kwargs):
+        if args or set(kwargs) != {"gguf_file"}:
+            return real_tok(path, *args, **kwargs)
+        key = (Path(path).resolve(), kwargs["gguf_file"])
+        if key not in tokenizers:
+            tokenizers[key] = real_tok(path, **kwargs)
+        return tokenizers[key]
+
+    monkeypatch.setattr(base_mod, "_load_gguf_uncached", load_once)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", tokenizer_once)
     base_cfg = prep_config(["out=x"]).base
     monkeypatch.setenv("HYDRA_HEADS_CACHE", str(tmp_path / "cache"))
     cached = load_base(base_cfg)  # converts into the empty cache
     assert any((tmp_path / "cache" / "base").iterdir())
+    assert len(dequantized) == 1  # the conversion dequantized the GGUF
     base_cfg.cache = False
     direct = load_base(base_cfg)
+    assert len(dequantized) == 1  # the direct load asked for the same file and dtype
+    assert direct.model is next(iter(dequantized.values()))
+    assert direct.model is not cached.model  # the cached one was reloaded from safetensors
+    assert len(tokenizers) == 1 and direct.tokenizer is next(iter(tokenizers.values()))
     ids = cached.tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         a = cached.model(ids).logits

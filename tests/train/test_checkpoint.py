@@ -91,20 +91,31 @@ def _train_cmd(prepared: Path, out: Path, *extra: str) -> list[str]:
         "trainer.val_check_interval=1000",
         "final_validation=false",
         "data.batch_size=2",
+        "data.max_length=32",  # (the samples are ~93 tokens) the steps cost a third as much
         *extra,
     ]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tiny_prepared, tmp_path_factory) -> dict[int, float]:
+    """step -> loss of the uninterrupted run that both kill tests compare with: one run for
+    both, and in this process (the same `hydra-heads train` command line, `run_here`)."""
+    from tests.helpers import run_here
+
+    ref = tmp_path_factory.mktemp("uninterrupted40") / "ref"
+    r = run_here(*_train_cmd(tiny_prepared, ref)[1:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _losses(ref)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_killed_run_resumes_with_the_same_next_losses(tiny_prepared, tmp_path, sig):
+def test_killed_run_resumes_with_the_same_next_losses(
+    tiny_prepared, tmp_path, sig, uninterrupted_losses
+):
     """Noise and dropout on: the RNG, data position, optimizer and schedule all resume."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    ref = tmp_path / "ref"
-    subprocess.run(
-        _train_cmd(tiny_prepared, ref), check=True, env=env, capture_output=True, timeout=600
-    )
-    want = _losses(ref)
+    want = uninterrupted_losses
     assert len(want) == 40
 
     run = tmp_path / "run"
@@ -164,7 +175,7 @@ def test_resume_without_checkpoints_and_rerun_without_resume_fail_clearly(tiny_p
 def test_resume_auto_starts_fresh_then_continues(tiny_prepared, tmp_path):
     """resume=auto (what a requeued SLURM job runs): no checkpoint -> a new run; checkpoints,
     including Lightning's SLURM hpc_ckpt_N.ckpt in <out> -> continue from the newest."""
-    from tests.helpers import run
+    from tests.helpers import run_here  # `hydra-heads train`, in this process
 
     out = tmp_path / "run"
     common = [
@@ -177,7 +188,7 @@ def test_resume_auto_starts_fresh_then_continues(tiny_prepared, tmp_path):
         "final_validation=false",
         "checkpoint_every=2",
     ]
-    r = run("train", *common, "trainer.max_steps=2")
+    r = run_here("train", *common, "trainer.max_steps=2")
     assert r.returncode == 0, r.stderr[-2000:]
     # what Lightning's SIGUSR1 handler leaves before requeueing: the newest checkpoint
     newest = out / "hpc_ckpt_1.ckpt"
@@ -186,7 +197,7 @@ def test_resume_auto_starts_fresh_then_continues(tiny_prepared, tmp_path):
 
     assert newest in checkpoint_candidates(out)
     assert resume_checkpoint(out / "checkpoints") == newest
-    r = run("train", *common, "trainer.max_steps=4")
+    r = run_here("train", *common, "trainer.max_steps=4")
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"resuming from {newest}" in r.stdout + r.stderr
     assert json.loads((out / "train_summary.json").read_text())["steps"] == 4

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import run
+from tests.helpers import run, run_here
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,10 @@ COMMON = [
 ]
 
 
-def _train(tiny_prepared: Path, out: Path, *extra: str) -> dict[str, torch.Tensor]:
-    r = run("train", *COMMON, f"data.prepared={tiny_prepared}", f"out={out}", *extra)
+def _train(tiny_prepared: Path, out: Path, *extra: str, cli=run) -> dict[str, torch.Tensor]:
+    """`hydra-heads train` (`cli=run_here`: the same command line in this process, for the
+    one-process runs, which need no interpreter of their own)."""
+    r = cli("train", *COMMON, f"data.prepared={tiny_prepared}", f"out={out}", *extra)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return load_file(str(out / "heads" / "heads.safetensors"))
 
@@ -44,16 +46,17 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def one_process(tiny_prepared, tmp_path_factory):
-    """The reference: one process, batch 2, 2 micro-batches per step = global batch 4."""
+    """The reference: one process (this one), batch 2, 2 micro-batches per step = global
+    batch 4."""
     out = tmp_path_factory.mktemp("one") / "run"
-    return _train(tiny_prepared, out, "trainer=cpu", "trainer.accumulate_grad_batches=2")
+    accumulate = ["trainer=cpu", "trainer.accumulate_grad_batches=2"]
+    return _train(tiny_prepared, out, *accumulate, cli=run_here)
 
 
 def test_ddp_two_processes_equal_one_process(tiny_prepared, tmp_path, one_process):
     ddp = _train(tiny_prepared, tmp_path / "ddp", "trainer=ddp_cpu", "trainer.devices=2")
-    init = _train(
-        tiny_prepared, tmp_path / "zero", "trainer=cpu", "trainer.max_steps=1", "optim.lr=1.0e-12"
-    )
+    no_lr = ["trainer=cpu", "trainer.max_steps=1", "optim.lr=1.0e-12"]
+    init = _train(tiny_prepared, tmp_path / "zero", *no_lr, cli=run_here)
     assert _max_diff(init, one_process) > 1e-3  # training really moved the heads
     assert _max_diff(ddp, one_process) < 1e-5
 
