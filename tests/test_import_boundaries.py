@@ -5,6 +5,8 @@ lightning (checked statically per file, and by importing the package in a fresh 
 
 evaluation/benchmarks/ holds standalone scripts: a benchmark of the Lightning training step has
 to import Lightning, so the third-party rule exempts them; the layers do not (no `launch`).
+A package's `__main__.py` (`python -m train`, DESIGN.md) is run, never imported: it is an entry
+point of the CLI layer.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ THIRD_PARTY = {
 
 
 def layer(module: str) -> int | None:
+    if module.endswith(".__main__"):  # `python -m <package>`: an entry point nothing imports
+        return LAYERS["launch"]
     hits = [p for p in LAYERS if module == p or module.startswith(p + ".")]
     return LAYERS[max(hits, key=len)] if hits else None
 
@@ -124,5 +128,6 @@ def test_the_checks_catch_violations(tmp_path):
         "train.core.probe (layer 0) imports launch.cli (layer 3)"
     ]
     assert upward_imports(f, "launch.probe") == []
+    assert upward_imports(f, "train.__main__") == []  # `python -m train` is the CLI's
     assert layer("train.heads.hydra") == 1 and layer("train.recipe") == 2
     assert layer("evaluation.benchmarks.bench_train") == 2 and layer("torch") is None

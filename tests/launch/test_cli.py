@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.helpers import GOOD, run
@@ -87,6 +89,19 @@ def test_python_dash_m_entry_points(tmp_path):
         timeout=120,
     )
     assert r.returncode == 0 and "tiny_random" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize(
+    "package, command", [("train", "train"), ("data_prep", "prep"), ("evaluation", "eval")]
+)
+def test_python_dash_m_package_runs_its_subcommand(package, command, monkeypatch, capsys):
+    """`python -m <package>` (run here as the interpreter runs it) is `hydra-heads <command>`:
+    without arguments, that command's own missing keys and example."""
+    monkeypatch.setattr(sys, "argv", [package])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module(package, run_name="__main__")
+    assert e.value.code == 2
+    assert f"e.g. hydra-heads {command} " in capsys.readouterr().err
 
 
 def test_train_on_missing_prepared_data_is_a_clear_error(tmp_path):

@@ -1,0 +1,8 @@
+"""`python -m evaluation [overrides]` is `hydra-heads eval [overrides]` (DESIGN.md). An entry point,
+not part of the package: nothing imports it, so it sits in the CLI layer with launch/."""
+
+import sys
+
+from launch.cli import main
+
+main(["eval", *sys.argv[1:]])
