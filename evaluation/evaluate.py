@@ -22,6 +22,7 @@ from evaluation.calibrate import calibrate, choose_tree
 from evaluation.config import EvalConfig, EvalSettings, TreeConfig
 from evaluation.decode import Decoder, Generation, SamplingConfig, eos_ids
 from evaluation.prompts import PromptItem, held_out_prompts, jsonl_prompts, prepared_rows
+from evaluation.suites import suite_path, suite_prompts
 from evaluation.tree import PRESETS, Tree, branching, chain, grow
 from train.core.atomic import write_json, write_text
 from train.core.base import BaseConfig, FrozenBase, load_base, recorded_base
@@ -114,17 +115,23 @@ def calibration_split(prepared: str | None, kind: str):
 def load_prompts(
     cfg: EvalConfig, prepared: str | None, calibrating: bool, skips: SkipLog
 ) -> tuple[list[PromptItem], Iterator | None]:
-    """The prompts (eval.prompts, else held-out first turns of `prepared`; bad rows counted in
-    `skips`) and, if `calibrating`, calibration_rows from the held-out rows after them."""
+    """The prompts of eval.suite (a named suite; eval.prompts for `file`, bad rows counted in
+    `skips`; held-out first turns of `prepared` for `heldout`) and, if `calibrating`,
+    calibration_rows from the held-out rows after the ones used as prompts."""
     ev = cfg.eval
-    items = jsonl_prompts(ev.prompts, ev.num_prompts, skips) if ev.prompts else None
+    items = None
+    if ev.suite == "file":
+        items = jsonl_prompts(ev.prompts, ev.num_prompts, skips)
+    elif ev.suite != "heldout":
+        items, _ = suite_prompts(ev.suite, ev.num_prompts, ev.seed)
     ds, next_row = None, 0
     if calibrating:
         ds = calibration_split(prepared, cfg.tree.kind)
     elif items is None:
         if not prepared:
             raise ConfigError(
-                "no prompts: pass eval.prompts=FILE.jsonl or eval.prepared=DIR (a prep output)"
+                "no prompts: eval.suite=heldout needs eval.prepared=DIR (a prep output); or pass "
+                "eval.suite=mt_bench, eval.suite=humaneval or eval.prompts=FILE.jsonl"
             )
         ds = prepared_rows(prepared)
     if items is None:
@@ -244,6 +251,7 @@ def _decode_item(decoder: Decoder, idx: int, item: PromptItem, tok, ev: EvalSett
 def _record(item, turn, prompt, spec: Generation, plain: Generation | None, tok, check: bool):
     rec = {
         "item": item.name,
+        "category": item.category,
         "turn": turn,
         "prompt_tokens": len(prompt),
         "prompt": tok.decode(prompt[-400:], skip_special_tokens=False)[-300:],
@@ -310,6 +318,7 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
     records, spec, plain, mismatches = decode_prompts(decoder, items, base.tokenizer, ev, skips)
     result = {
         **summarize(spec, plain, tree.max_depth),
+        "by_category": category_figures(records, spec, plain, tree.max_depth),
         "heads": str(Path(cfg.heads).expanduser().resolve()),
         "arch": decoder.heads.arch,
         "num_heads": decoder.heads.num_heads,
@@ -318,7 +327,8 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
         "sampling": asdict(decoder.sampling),
         "max_new_tokens": ev.max_new_tokens,
         "prompts": {
-            "source": ev.prompts or f"{prepared} (validation, first turns)",
+            "suite": ev.suite,
+            "source": prompt_source(ev, prepared),
             "items": len(items),
             "generations": len(records),
             "skipped": dict(skips.counts),
@@ -376,6 +386,38 @@ def summarize(spec: list[Generation], plain: list[Generation], depth: int) -> di
             speedup=res["spec_tokens_per_s"] / pt if pt else None,
         )
     return res
+
+
+def category_figures(
+    records: list[dict], spec: list[Generation], plain: list[Generation], depth: int
+) -> dict[str, dict[str, Any]]:
+    """eval.json's `by_category`: per category of `records` (aligned with `spec`, and with
+    `plain` unless it is empty), in order of first appearance: generations, tau, cumulative
+    acceptance per depth, spec / plain tokens/s and speedup (None without plain decoding)."""
+    groups: dict[str, list[int]] = {}
+    for i, rec in enumerate(records):
+        groups.setdefault(rec["category"], []).append(i)
+    figures = {}
+    for category, idx in groups.items():
+        fig = summarize([spec[i] for i in idx], [plain[i] for i in idx] if plain else [], depth)
+        figures[category] = {
+            "generations": len(idx),
+            "tau": fig["tau"],
+            "acceptance_cumulative": fig["acceptance_cumulative"],
+            "spec_tokens_per_s": fig["spec_tokens_per_s"],
+            "plain_tokens_per_s": fig.get("plain_tokens_per_s"),
+            "speedup": fig.get("speedup"),
+        }
+    return figures
+
+
+def prompt_source(ev: EvalSettings, prepared: str | None) -> str:
+    """Where eval.suite's prompts came from, for eval.json: a file, or the prep output."""
+    if ev.suite == "file":
+        return str(ev.prompts)
+    if ev.suite == "heldout":
+        return f"{prepared} (validation, first turns)"
+    return str(suite_path(ev.suite))
 
 
 def _progress(total: int, enabled: bool):

@@ -1,4 +1,5 @@
-"""Evaluation prompt sets: held-out first turns of prepared data, or a jsonl of prompts / chats."""
+"""Evaluation prompt sets: held-out first turns of prepared data, or a jsonl of prompts / chats
+(the named suites, MT-Bench and HumanEval, are in evaluation/suites.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from train.core.errors import NotFound
 @dataclass
 class PromptItem:
     """One evaluation item: either a ready token prompt, or a chat whose user turns are answered
-    one after another (each reply generated here is appended before the next user turn)."""
+    one after another (each reply generated here is appended before the next user turn).
+    `category` groups eval.json's per-category figures (MT-Bench's categories, "heldout", ...)."""
 
     name: str
     tokens: list[int] | None = None
     system: str | None = None
     user_turns: list[str] = field(default_factory=list)
+    category: str = "uncategorized"
 
     @property
     def num_turns(self) -> int:
@@ -66,6 +69,8 @@ def parse_prompt_row(record: Any) -> tuple[str | None, list[str]]:
 
 
 def jsonl_prompts(path: str | Path, limit: int | None, skips: SkipLog) -> list[PromptItem]:
+    """The first `limit` usable rows of the jsonl file `path` (see parse_prompt_row; bad rows
+    are counted in `skips`), in file order; a row's string "category" is kept, else "file"."""
     p = Path(path)
     if not p.is_file():
         raise NotFound(
@@ -79,7 +84,9 @@ def jsonl_prompts(path: str | Path, limit: int | None, skips: SkipLog) -> list[P
         except ValueError as e:
             skips.skip("bad_prompt_row", where, str(e))
             continue
-        items.append(PromptItem(where, system=system, user_turns=turns))
+        category = record.get("category")
+        category = category if isinstance(category, str) and category else "file"
+        items.append(PromptItem(where, system=system, user_turns=turns, category=category))
         if limit is not None and len(items) >= limit:
             break
     if not items:
@@ -123,7 +130,7 @@ def held_out_prompts(ds, limit: int, max_prompt_tokens: int) -> tuple[list[Promp
             break
         ids = first_turn_prompt(list(row["input_ids"]), list(row["loss_mask"]))
         if ids is not None and len(ids) <= max_prompt_tokens:
-            items.append(PromptItem(f"validation[{i}]", tokens=ids))
+            items.append(PromptItem(f"validation[{i}]", tokens=ids, category="heldout"))
     else:
         i = len(ds)
     return items, i

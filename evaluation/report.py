@@ -21,6 +21,7 @@ from train.core.errors import UserError
 PLOTS = {
     "tau_by_run": "τ per run: measured in decoding vs the training-time estimate",
     "acceptance_by_depth": "Acceptance by depth (cumulative: share of steps that accept depth d)",
+    "tau_by_category": "τ per prompt category (MT-Bench's categories, ...)",
     "tau_vs_tree_size": "τ vs tree size (lines: expected from calibration; dots: measured)",
     "loss_curves": "Training loss",
     "accepted_histogram": "Accepted draft tokens per step",
@@ -198,6 +199,8 @@ def load_run(name: str, path: Path, train_hint: Path | None = None) -> dict[str,
             "auto": tree.get("auto") or [],
             "lossless": ev.get("lossless"),
             "prompts": (ev.get("prompts") or {}).get("items"),
+            "suite": (ev.get("prompts") or {}).get("suite"),
+            "by_category": ev.get("by_category") or {},
             "new_tokens": ev.get("new_tokens"),
             **{k: ev.get(k) or {} for k in ("sampling", "hardware")},
             **{k: ev.get(k) for k in ("setup_s", "spec_s", "plain_s")},
@@ -317,6 +320,18 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
                 )  # fmt: skip
         ax.set(xlabel="tree nodes", ylabel="τ (tokens per base forward)")
         save(fig, ax, "tau_vs_tree_size")
+    cats = _categories(runs)
+    if cats:
+        fig, ax = plt.subplots(figsize=(max(6.5, 0.9 * len(cats)), 3.8))
+        with_cats = [r for r in runs if r.get("eval", {}).get("by_category")]
+        width = 0.8 / len(with_cats)
+        for i, r in enumerate(with_cats):
+            by = r["eval"]["by_category"]
+            taus = [(by.get(c) or {}).get("tau") or math.nan for c in cats]
+            ax.bar([j + i * width for j in range(len(cats))], taus, width, label=r["name"])
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=30)
+        ax.set(ylabel="τ (tokens per base forward)")
+        save(fig, ax, "tau_by_category", grid="y")
     curved = [r for r in runs if (r.get("train", {}).get("curves") or {}).get("train/loss")]
     if curved:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
@@ -346,6 +361,13 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
         ax.set(xlabel="draft tokens accepted in a step", ylabel="share of steps")
         save(fig, ax, "accepted_histogram", grid="y")
     return made
+
+
+def _categories(runs: list[dict]) -> list[str]:
+    """The prompt categories of the runs' evals (eval.json `by_category`), in first-seen order;
+    empty when no run has more than one category."""
+    cats = list(dict.fromkeys(c for r in runs for c in r.get("eval", {}).get("by_category", {})))
+    return cats if len(cats) > 1 else []
 
 
 # -- rendering --------------------------------------------------------------------------------
@@ -402,6 +424,14 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 cols = [r.get(part, {}).get(k, []) for k in keys]
                 rows.append([r["name"]] + [_slashed(cols, i) for i in range(n)])
             out.append((title, ["run"] + [f"{label} {i + 1}" for i in range(n)], rows))
+    cats = _categories(runs)
+    if cats:  # τ / speedup per prompt category (MT-Bench's 8, ...)
+        rows = []
+        for r in runs:
+            by = r.get("eval", {}).get("by_category") or {}
+            cell = lambda f: f"{_fmt(f.get('tau'))} / {_fmt(f.get('speedup'), 2)}"  # noqa: E731
+            rows.append([r["name"]] + [cell(by[c]) if c in by else "–" for c in cats])
+        out.append(("τ / speedup by prompt category", ["run", *cats], rows))
     rows = []
     for r in runs:
         ev = r.get("eval", {})

@@ -52,6 +52,8 @@ def make_run(
         "tree": {"kind": "calibrated", "num_nodes": 8, "expected_tau": tau + 0.1,
                  "auto": [{"nodes": n, "expected_tau": 1 + n * 0.1} for n in (0, 4, 8)]},
         "hardware": {"device": "cpu", "threads": 2},
+        "by_category": {"writing": {"tau": tau + 0.2, "speedup": speedup},
+                        "coding": {"tau": tau - 0.2, "speedup": None}},
     }  # fmt: skip
     (ev / "eval.json").write_text(json.dumps(res))
     (ev / "config.yaml").write_text(f"heads: {res['heads']}\ntree:\n  kind: calibrated\n")
@@ -85,10 +87,11 @@ def test_report_figures_order_and_diff(two_runs, tmp_path):
     names = {f.name for f in rep.files}
     assert {"report.json", "report.md", "report.html", "acceptance_by_depth.png"} <= names
     assert {"tau_vs_tree_size.png", "loss_curves.png", "accepted_histogram.png"} <= names
-    assert "tau_by_run.png" in names
+    assert {"tau_by_run.png", "tau_by_category.png"} <= names
     md = (tmp_path / "r" / "report.md").read_text()
     assert "| 1 | fast | hydra_pp | 2 | 1.900 | 1.10x | 1.500 | 0.400 |" in md
     assert "![loss_curves](loss_curves.png)" in md and "| optim.lr |" in md
+    assert "| run | writing | coding |" in md and "| fast | 2.100 / 1.10 | 1.700 / – |" in md
     assert json.loads((tmp_path / "r" / "report.json").read_text())["leaderboard"] == lb
 
 
@@ -135,8 +138,8 @@ def test_report_html_renders_in_a_browser(two_runs, tmp_path):
     page = check_page(tmp_path / "r" / "report.html", screenshot=shot)
     assert page.errors == []
     assert page.external_requests == []  # self-contained: opens offline
-    assert page.images_total == len(rep.data["plots"]) == 5
-    assert page.images_rendered == 5, page.broken_images
+    assert page.images_total == len(rep.data["plots"]) == 6
+    assert page.images_rendered == 6, page.broken_images
     assert page.title == "hydra-heads acceptance report"
     assert shot.stat().st_size > 20_000
 
