@@ -24,6 +24,7 @@ PLOTS = {
     "tau_by_category": "τ per prompt category (MT-Bench's categories, ...)",
     "tau_vs_tree_size": "τ vs tree size (lines: expected from calibration; dots: measured)",
     "loss_curves": "Training loss",
+    "tau_curves": "τ over training: held-out prompts decoded by the verifier (val/tau)",
     "accepted_histogram": "Accepted draft tokens per step",
 }
 # Keys that differ between any two runs by construction: not worth a row in the config diff.
@@ -69,7 +70,9 @@ def _read_config(path: Path) -> dict[str, Any]:
 def _read_curves(train_dir: Path) -> dict[str, list[list[float]]]:
     """train/val loss per step from the CSV logger's metrics.csv files (resumed runs append a
     version each; later versions win a step)."""
-    curves: dict[str, dict[int, float]] = {"train/loss": {}, "val/loss": {}, "val/tau_est": {}}
+    curves: dict[str, dict[int, float]] = {
+        k: {} for k in ("train/loss", "val/loss", "val/tau_est", "val/tau")
+    }
     files = sorted(
         (train_dir / "logs").glob("version_*/metrics.csv"),
         key=lambda p: int(p.parent.name.split("_")[-1]) if p.parent.name[8:].isdigit() else 0,
@@ -345,6 +348,19 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
                 )  # fmt: skip
         ax.set(xlabel="optimizer step", ylabel="loss (sum over heads)")
         save(fig, ax, "loss_curves")
+    tau_curved = [r for r in runs if (r.get("train", {}).get("curves") or {}).get("val/tau")]
+    if tau_curved:
+        fig, ax = plt.subplots(figsize=(6.5, 3.8))
+        for r in tau_curved:
+            c = r["train"]["curves"]
+            (line,) = ax.plot(*zip(*c["val/tau"], strict=True), marker="o", label=r["name"])
+            if c.get("val/tau_est"):
+                ax.plot(
+                    *zip(*c["val/tau_est"], strict=True), color=line.get_color(), ls=":",
+                    label=f"{r['name']} estimate",
+                )  # fmt: skip
+        ax.set(xlabel="optimizer step", ylabel="τ (val/tau: decoded; dotted: estimate)")
+        save(fig, ax, "tau_curves")
     hists = [r for r in runs if r.get("eval", {}).get("accepted_histogram")]
     if hists:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, model_validator
 
+from evaluation.tree import PRESETS
 from train.core.base import BaseConfig
 from train.core.config import ConfigModel, NonNegative, Positive, check, fail
 from train.core.errors import InvalidValue
@@ -86,6 +87,22 @@ class OptimConfig(ConfigModel):
     final_lr_ratio: Annotated[float, check(lambda v: 0 <= v <= 1, "a number in [0, 1]")]
 
 
+class ValTauConfig(ConfigModel):
+    """τ measured by real greedy tree decoding after each validation (`val_tau:`)."""
+
+    prompts: NonNegative  # held-out first turns decoded; 0 turns the measurement off
+    max_new_tokens: Positive
+    max_prompt_tokens: Positive  # longer held-out prompts are passed over
+    # trees to decode with; the first one's τ is `val/tau` and picks <out>/heads_best
+    trees: Annotated[
+        list[str],
+        check(
+            lambda t: bool(t) and all(n == "chain" or n in PRESETS for n in t),
+            f"a non-empty list of: chain, {', '.join(PRESETS)}",
+        ),
+    ]
+
+
 class TrainConfig(ConfigModel):
     """Everything `hydra-heads train` needs (conf/train.yaml)."""
 
@@ -103,6 +120,7 @@ class TrainConfig(ConfigModel):
     checkpoint_every: Positive  # optimizer steps between resumable checkpoints
     keep_checkpoints: Positive
     final_validation: bool
+    val_tau: ValTauConfig
 
     @model_validator(mode="after")
     def _rules(self) -> TrainConfig:

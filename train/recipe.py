@@ -13,12 +13,13 @@ import torch
 
 from train.config import TrainConfig
 from train.core.atomic import write_json, write_text
-from train.core.base import DeferredBase, load_base
+from train.core.base import DeferredBase, FrozenBase, load_base
 from train.core.errors import AlreadyExists, NotFound
 from train.data import PreparedDataModule, load_prepared, token_counts
 from train.heads import base_shape, build_heads, heads_meta, save_heads
 from train.heads.blocks import top_tokens
 from train.module import HeadsModule
+from train.tau import measured_tau
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,9 @@ def resume_checkpoint(ckpt_dir: Path) -> Path:
 
 def build_module(
     cfg: TrainConfig, defer_base: bool = False
-) -> tuple[HeadsModule, PreparedDataModule, dict]:
-    """Base, data, draft vocab, heads and the LightningModule, from the typed config.
+) -> tuple[HeadsModule, PreparedDataModule, dict, FrozenBase | DeferredBase]:
+    """Base, data, draft vocab, heads and the LightningModule, from the typed config: (module,
+    data module, the heads' metadata, the base).
 
     `defer_base`: the base weights are loaded later, in `HeadsModule.configure_model` under the
     strategy's sharding context (ZeRO-3); the heads start from the lm_head read from disk."""
@@ -134,7 +136,7 @@ def build_module(
     pad = base.tokenizer.pad_token_id
     dm = PreparedDataModule(cfg.data, 0 if pad is None else pad, cfg.seed, base.vocab_size)
     dm.dd = dd
-    return module, dm, meta
+    return module, dm, meta, base
 
 
 def make_trainer(cfg: TrainConfig, **kwargs: Any) -> pl.Trainer:
@@ -190,7 +192,18 @@ def fit(
         and cfg.base.source != "tiny_random"
     )
     t0 = time.perf_counter()
-    module, dm, meta = build_module(cfg, defer_base=defer)
+    module, dm, meta, base = build_module(cfg, defer_base=defer)
+    tau = measured_tau(
+        cfg.val_tau,
+        base,
+        dm.dd.get("validation"),
+        out,
+        meta,
+        cfg.head.hidden_state_offset,
+        sharded=defer or bool(getattr(trainer.strategy, "zero_stage_3", False)),
+    )
+    if tau is not None:
+        trainer.callbacks.append(tau)
     setup_s = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     if resolved_config is not None:
@@ -226,6 +239,8 @@ def fit(
         ),
         "validation": val,
     }
+    if tau is not None:
+        summary["val_tau"] = tau.summary()
     if module.base_model is not None:
         summary["base_params_on_rank0"] = param_share(module.base_model)
 

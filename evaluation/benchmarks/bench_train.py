@@ -339,8 +339,8 @@ def main() -> None:
         total = args.warmup + args.steps
         t0 = time.perf_counter()
         pl.seed_everything(0, workers=True, verbose=False)
-        on_module, on_dm, _ = build_module(train_cfg(args, data, Path(tmp) / "on", False))
-        off_module, off_dm, _ = build_module(train_cfg(args, data, Path(tmp) / "off", True))
+        on_module, on_dm, *_ = build_module(train_cfg(args, data, Path(tmp) / "on", False))
+        off_module, off_dm, *_ = build_module(train_cfg(args, data, Path(tmp) / "off", True))
         build_s = time.perf_counter() - t0
         n_train = len(on_dm.dd["train"])
         n_batches = len(on_dm.train_dataloader())

@@ -36,8 +36,9 @@ def make_run(
         )
         logs = tr / "logs" / "version_0"
         logs.mkdir(parents=True)
-        rows = ["epoch,step,train/loss,val/loss"]
-        rows += [f"0,{s},{20 - s},{'' if s % 3 else 15 - s}" for s in range(6)]
+        rows = ["epoch,step,train/loss,val/loss,val/tau"]
+        rows += [f"0,{s},{20 - s},{'' if s % 3 else 15 - s},{'' if s % 3 else 1 + s / 10}"
+                 for s in range(6)]  # fmt: skip
         (logs / "metrics.csv").write_text("\n".join(rows) + "\n")
     ev = d / "eval"
     ev.mkdir(parents=True)
@@ -87,7 +88,8 @@ def test_report_figures_order_and_diff(two_runs, tmp_path):
     names = {f.name for f in rep.files}
     assert {"report.json", "report.md", "report.html", "acceptance_by_depth.png"} <= names
     assert {"tau_vs_tree_size.png", "loss_curves.png", "accepted_histogram.png"} <= names
-    assert {"tau_by_run.png", "tau_by_category.png"} <= names
+    assert {"tau_by_run.png", "tau_by_category.png", "tau_curves.png"} <= names
+    assert fast["train"]["curves"]["val/tau"] == [[0, 1.0], [3, 1.3]]
     md = (tmp_path / "r" / "report.md").read_text()
     assert "| 1 | fast | hydra_pp | 2 | 1.900 | 1.10x | 1.500 | 0.400 |" in md
     assert "![loss_curves](loss_curves.png)" in md and "| optim.lr |" in md
@@ -138,8 +140,8 @@ def test_report_html_renders_in_a_browser(two_runs, tmp_path):
     page = check_page(tmp_path / "r" / "report.html", screenshot=shot)
     assert page.errors == []
     assert page.external_requests == []  # self-contained: opens offline
-    assert page.images_total == len(rep.data["plots"]) == 6
-    assert page.images_rendered == 6, page.broken_images
+    assert page.images_total == len(rep.data["plots"]) == 7
+    assert page.images_rendered == 7, page.broken_images
     assert page.title == "hydra-heads acceptance report"
     assert shot.stat().st_size > 20_000
 

@@ -55,7 +55,7 @@ def test_bf16_mixed_training_steps_on_cuda(tiny_prepared, tmp_path, name):
         ]
     )
     assert (cfg.trainer["accelerator"], cfg.trainer["precision"]) == ("gpu", "bf16-mixed")
-    module, dm, _ = build_module(cfg)
+    module, dm, *_ = build_module(cfg)
     base_before = {k: v.detach().clone() for k, v in module.base_model.state_dict().items()}
     heads_before = {k: v.detach().clone() for k, v in module.heads.state_dict().items()}
 

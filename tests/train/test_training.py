@@ -64,7 +64,7 @@ def _fit(module, dm, steps, callbacks=()):
 @pytest.mark.parametrize("name", sorted(HEADS))
 def test_every_head_learns_and_the_base_stays_frozen(tiny_prepared, tmp_path, name):
     cfg = _cfg(tiny_prepared, tmp_path, f"head={name}", "head.num_heads=2")
-    module, dm, _ = build_module(cfg)
+    module, dm, *_ = build_module(cfg)
     base_before = {k: v.clone() for k, v in module.base_model.state_dict().items()}
     log = LossLog()
     trainer = _fit(module, dm, 25, [log(module)])
@@ -79,8 +79,8 @@ def test_every_head_learns_and_the_base_stays_frozen(tiny_prepared, tmp_path, na
 
 
 def test_offline_equals_online_on_the_same_batch(tiny_prepared, tmp_path):
-    online, dm, _ = build_module(_cfg(tiny_prepared, tmp_path))
-    offline, dm_off, _ = build_module(_cfg(tiny_prepared, tmp_path, "data.offline=true"))
+    online, dm, *_ = build_module(_cfg(tiny_prepared, tmp_path))
+    offline, dm_off, *_ = build_module(_cfg(tiny_prepared, tmp_path, "data.offline=true"))
     offline.heads.load_state_dict(online.heads.state_dict())
     assert offline.base_model is None
     dm.setup()
@@ -203,8 +203,8 @@ def test_resumed_sampler_keeps_its_epoch_whatever_set_epoch_says():
 def test_hidden_state_offset_reads_an_earlier_layer(tiny_prepared, tmp_path):
     """head.hidden_state_offset=1: the heads read the output of the layer before the last
     (hidden_states[-2], pre-norm), not the final normed state that offset 0 reads."""
-    m0, dm, _ = build_module(_cfg(tiny_prepared, tmp_path, "head=medusa"))
-    m1, _, _ = build_module(
+    m0, dm, *_ = build_module(_cfg(tiny_prepared, tmp_path, "head=medusa"))
+    m1, _, *_ = build_module(
         _cfg(tiny_prepared, tmp_path, "head=medusa", "head.hidden_state_offset=1")
     )
     m1.heads.load_state_dict(m0.heads.state_dict())
@@ -230,7 +230,7 @@ def test_hidden_state_offset_reads_an_earlier_layer(tiny_prepared, tmp_path):
 def test_heads_with_biases_start_as_the_base_and_train_their_biases(tiny_prepared, tmp_path):
     """head.bias=true (zankner/Hydra's layout): zero biases at start, trained like the rest."""
     cfg = _cfg(tiny_prepared, tmp_path, "head=hydra", "head.num_heads=2", "head.bias=true")
-    module, dm, _ = build_module(cfg)
+    module, dm, *_ = build_module(cfg)
     biases = [lm.bias for lm in module.heads.lm_heads] + [
         mlp[0].proj.bias for mlp in module.heads.mlps
     ]
