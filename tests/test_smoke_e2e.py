@@ -60,6 +60,8 @@ def test_prep_then_train_hydra_pp_on_smollm2(smol_prepared, tmp_path):
         "head.draft_vocab_size=2048",
         "data.max_val_samples=4",
         "trainer.val_check_interval=1000",
+        "val_tau.prompts=1",  # the final validation decodes one held-out prompt for val/tau
+        "val_tau.max_new_tokens=8",
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "heads after 3 steps" in r.stdout and "acceptance estimate" in r.stdout
@@ -72,6 +74,7 @@ def test_prep_then_train_hydra_pp_on_smollm2(smol_prepared, tmp_path):
     assert meta["arch"] == "hydra_pp" and meta["draft_vocab_size"] == 2048
     assert meta["training"]["steps"] == 3
     assert 0.0 <= meta["training"]["validation"]["val/top1_base_h1"] <= 1.0
+    assert meta["training"]["validation"]["val/tau"] >= 1.0 and (out / "heads_best").is_dir()
     assert (out / "config.yaml").is_file() and list(out.glob("logs/*/metrics.csv"))
     # eval: greedy speculative decoding on SmolLM2 returns exactly plain greedy's tokens, with
     # the 63-node tree (the run fails loudly otherwise) and with a calibrated tree.

@@ -45,6 +45,11 @@ def print_summary(res: dict[str, Any], out: str) -> None:
         "per step: propose / verify / bookkeeping",
         f"{ms['propose']:.1f} / {ms['verify']:.1f} / {ms['bookkeeping']:.1f} ms",
     )
+    by_category = res.get("by_category") or {}
+    if len(by_category) > 1:  # a suite with categories (MT-Bench): tau / speedup per category
+        for name, fig in by_category.items():
+            t.add_row(f"  {name} ({fig['generations']}): tau / speedup",
+                      f"{num(fig['tau'], '.3f')} / {num(fig['speedup'], '.2f')}x")  # fmt: skip
     if res["lossless"] is not None:
         t.add_row("lossless (greedy == plain greedy)", "yes" if res["lossless"] else "NO")
     Console().print(t)

@@ -157,4 +157,5 @@ def test_eval_mt_bench_writes_figures_per_category(tiny_heads, tmp_path):
         assert fig["generations"] == 2 and fig["tau"] >= 1.0 and fig["speedup"] > 0
         assert len(fig["acceptance_cumulative"]) == depth
     assert sum(f["generations"] for f in by_cat.values()) == res["prompts"]["generations"]
+    assert all(f"  {c} (2): tau / speedup" in r.stdout for c in by_cat)  # printed per category
     assert res["lossless"] is True
