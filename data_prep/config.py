@@ -60,9 +60,12 @@ class RegenConfig(ConfigModel):
     max_new_tokens: Positive
     temperature: Annotated[float, check(lambda v: v >= 0, "a number >= 0 (0 = greedy)")]
     top_p: Annotated[float, check(lambda v: 0 < v <= 1, "a number in (0, 1]")]
-    batch_size: Positive
+    batch_size: Positive  # most turns per generation batch (prompts sorted by length)
+    # and most cached tokens per batch: rows x (longest prompt + max_new_tokens)
+    batch_tokens: Positive
     shard_size: Positive  # conversations per resumable shard
     max_turns: Positive | None  # regenerate at most this many assistant turns per conversation
+    max_prompt_tokens: Positive | None  # a longer prompt ends its conversation before that turn
     device: str  # auto = cuda when available, else cpu
 
 

@@ -348,8 +348,9 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
             rows = regenerate(rows, base, cfg.regen, partial / "regen", cfg.seed, skips)
         if not rows:
             raise PrepError(
-                f"regeneration left no conversation (every reply was empty: skipped "
-                f"{dict(skips.counts)}); try regen.temperature > 0 or a larger regen.max_new_tokens"
+                f"regeneration left no conversation (skipped {dict(skips.counts)}); for empty "
+                "replies try regen.temperature > 0 or a larger regen.max_new_tokens, for long "
+                "prompts a larger regen.max_prompt_tokens or a smaller regen.max_new_tokens"
             )
     with _timed(timing, "tokenize_s"):
         tok, num_proc = tokenize(rows, tokenizer, cfg)

@@ -49,7 +49,7 @@ def tree_attention_mask(bias: torch.Tensor, past: int) -> torch.Tensor:
 
 
 @functools.cache
-def _cache_kwarg(model_cls: type) -> str:
+def cache_kwarg(model_cls: type) -> str:
     """transformers 5 renames `past_key_values` to `cache`; use whichever this version takes."""
     params = inspect.signature(model_cls.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -76,7 +76,7 @@ def base_forward(
         position_ids=positions,
         use_cache=True,
         output_hidden_states=hidden_state_offset > 0,
-        **{_cache_kwarg(type(model.model)): cache},
+        **{cache_kwarg(type(model.model)): cache},
     )
     final = out.last_hidden_state[0]  # (n, H)
     ctx = final if hidden_state_offset == 0 else out.hidden_states[-1 - hidden_state_offset][0]

@@ -50,6 +50,20 @@ def test_empty_replies_end_the_conversation(tmp_path, tiny_base):
     assert out == [] and skips.counts == {"regen_empty_reply": 2}
 
 
+def test_a_prompt_over_max_prompt_tokens_ends_its_conversation(tmp_path, tiny_base):
+    from data_prep.readers import SkipLog
+
+    rows = _rows(2)
+    rows[0]["contents"][2] = "long " * 40  # its second prompt is over the limit
+    rows[1]["contents"][0] = "long " * 40  # its first prompt already is
+    skips = SkipLog()
+    cfg = regen_config(max_new_tokens=4, max_prompt_tokens=100, **SAMPLE)
+    out = regenerate(rows, tiny_base, cfg, tmp_path / "r", 0, skips)
+    assert [r["conv_id"] for r in out] == ["c0"]
+    assert out[0]["roles"] == ["user", "assistant"] and out[0]["contents"][1] != "ORIGINAL"
+    assert skips.counts == {"regen_prompt_too_long": 1}
+
+
 def test_killed_run_resumes_at_the_first_missing_shard(tmp_path, tiny_base, monkeypatch):
     import data_prep.regenerate as regen_mod
 
@@ -59,11 +73,11 @@ def test_killed_run_resumes_at_the_first_missing_shard(tmp_path, tiny_base, monk
     calls = []
     real = regen_mod._regen_shard
 
-    def dies_on_second_shard(rows, base, c):
+    def dies_on_second_shard(rows, base, c, progress):
         calls.append(rows[0]["conv_id"])
         if len(calls) == 2:
             raise KeyboardInterrupt("killed")
-        return real(rows, base, c)
+        return real(rows, base, c, progress)
 
     monkeypatch.setattr(regen_mod, "_regen_shard", dies_on_second_shard)
     with pytest.raises(KeyboardInterrupt):
@@ -74,7 +88,7 @@ def test_killed_run_resumes_at_the_first_missing_shard(tmp_path, tiny_base, monk
     monkeypatch.setattr(
         regen_mod,
         "_regen_shard",
-        lambda rows, base, c: calls.append(rows[0]["conv_id"]) or real(rows, base, c),
+        lambda rows, base, c, p: calls.append(rows[0]["conv_id"]) or real(rows, base, c, p),
     )
     resumed = regenerate(_rows(6), tiny_base, cfg, tmp_path / "b")
     assert calls == ["c2", "c4"]  # shard 0 was not redone
@@ -168,3 +182,84 @@ def test_regenerate_a_few_smollm2_conversations(tmp_path):
     assert len(texts) == 2
     assert all("ORIGINAL" not in t and t.endswith("<|im_end|>") for t in texts)
     assert "Paris" in texts[0] or "paris" in texts[0].lower(), texts
+
+
+def test_batches_group_prompts_of_similar_length_within_the_budget():
+    from data_prep.regenerate import plan_batches
+
+    lengths = [50, 3000, 40, 60, 900, 45, 2900, 55, 10_000]
+    batches = plan_batches(lengths, max_new_tokens=100, batch_size=3, batch_tokens=6400)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert batches[0] == [8]  # alone over the budget, and first: the longest runs first
+    assert [1, 6] in batches  # the two long ones together: 2 x (3000 + 100) <= 6400
+    for b in batches:
+        assert len(b) <= 3
+        assert len(b) == 1 or len(b) * (max(lengths[i] for i in b) + 100) <= 6400
+    flat = [lengths[i] for b in batches for i in b]
+    assert flat == sorted(flat, reverse=True)
+
+
+@pytest.fixture(scope="module")
+def lively_base(tiny_base):
+    """tiny_base with larger random weights: its greedy replies vary with the context (the
+    stock tiny model repeats one token), so padding or position mistakes change them; EOS is
+    `<|im_end|>` plus one token that ends some replies early, so rows finish at different
+    steps."""
+    import copy
+
+    import torch
+
+    from train.core.base import FrozenBase
+
+    model = copy.deepcopy(tiny_base.model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.3, generator=g)
+    model.generation_config.eos_token_id = [tiny_base.tokenizer.eos_token_id, 93]
+    return FrozenBase(model, tiny_base.tokenizer, tiny_base.cfg)
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "batch_tokens", "prefill_tokens", "row_step"),
+    [(8, 100_000, 2048, 1), (8, 100_000, 64, 2), (2, 400, 2048, 8)],
+    ids=["one-batch-rows-leave", "many-prefills-ballast-rows", "several-batches"],
+)
+def test_batched_greedy_equals_batch_1_generate(
+    lively_base, monkeypatch, batch_size, batch_tokens, prefill_tokens, row_step
+):
+    import torch
+
+    import data_prep.regenerate as regen_mod
+
+    monkeypatch.setattr(regen_mod, "PREFILL_TOKENS", prefill_tokens)
+    monkeypatch.setattr(regen_mod, "ROW_STEP", row_step)
+    model, eos = lively_base.model, regen_mod.eos_ids(lively_base)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 5, 40, 300, 120, 9)]
+    new = 16
+    ref = []
+    for p in prompts:
+        out = model.generate(
+            input_ids=torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=new,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=sorted(eos),
+            pad_token_id=lively_base.tokenizer.pad_token_id,
+        )
+        ids = out[0, len(p) :].tolist()
+        ref.append(ids[:-1] if ids[-1] in eos else ids)  # replies leave EOS out
+    assert len({len(r) for r in ref}) > 1  # rows do finish at different steps
+    cfg = regen_config(
+        max_new_tokens=new, temperature=0.0, batch_size=batch_size, batch_tokens=batch_tokens
+    )
+    batches = []
+    got = regen_mod.generate_replies(lively_base, prompts, cfg, lambda *b: batches.append(b))
+    assert got == ref
+    assert sum(rows for rows, _, _ in batches) == len(prompts)
+    assert (len(batches) > 1) == (batch_size == 2)
