@@ -32,8 +32,9 @@ demo: setup
 	$(BIN)/hydra-heads prep data.max_conversations=2000 out=$(DEMO)/data overwrite=true
 	rm -rf $(DEMO)/train
 	$(BIN)/hydra-heads train experiment=smollm2_cpu data.prepared=$(DEMO)/data out=$(DEMO)/train
-	@# tree=auto (the default): the tree with the best expected speedup on this machine
-	$(BIN)/hydra-heads eval heads=$(DEMO)/train/heads out=$(DEMO)/eval eval.num_prompts=6 eval.max_new_tokens=96
+	@# MT-Bench, one question per category (both turns); tree=auto (the default): the tree
+	@# with the best expected speedup on this machine
+	$(BIN)/hydra-heads eval heads=$(DEMO)/train/heads out=$(DEMO)/eval eval.suite=mt_bench eval.num_prompts=8 eval.max_new_tokens=48 tree.calibration_rows=16
 	$(BIN)/hydra-heads report runs=[$(DEMO)] out=$(DEMO)/report
 
 # The paper's comparison (conf/sweep/architectures.yaml): Medusa vs Hydra vs Hydra++ at equal
