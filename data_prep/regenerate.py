@@ -43,6 +43,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from data_prep.config import RegenConfig
+from evaluation.decode import eos_ids
 from evaluation.verify import cache_kwarg
 from train.core.atomic import write_json, write_text
 from train.core.errors import UserError
@@ -268,15 +269,6 @@ def generate_batch(
     return out_tokens
 
 
-def eos_ids(base) -> set[int]:
-    """Every id that ends a reply: the tokenizer's EOS and the generation config's."""
-    ids = {base.tokenizer.eos_token_id}
-    gen_eos = base.model.generation_config.eos_token_id
-    ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
-    ids.discard(None)
-    return ids
-
-
 def generate_replies(
     base, prompts: list[list[int]], cfg: RegenConfig, on_batch: OnBatch | None = None
 ) -> list[list[int]]:
@@ -285,7 +277,7 @@ def generate_replies(
     _check_full_attention(base.model)
     tok = base.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    eos = eos_ids(base)
+    eos = eos_ids(base.tokenizer, base.model)
     replies: list[list[int]] = [[] for _ in prompts]
     lengths = [len(p) for p in prompts]
     for batch in plan_batches(lengths, cfg.max_new_tokens, cfg.batch_size, cfg.batch_tokens):

@@ -23,7 +23,7 @@ from evaluation.config import EvalConfig, EvalSettings, TreeConfig
 from evaluation.decode import Decoder, Generation, SamplingConfig, eos_ids
 from evaluation.prompts import PromptItem, held_out_prompts, jsonl_prompts, prepared_rows
 from evaluation.suites import suite_path, suite_prompts
-from evaluation.tree import PRESETS, Tree, branching, chain, grow
+from evaluation.tree import Tree, branching, grow, preset_paths
 from train.core.atomic import write_json, write_text
 from train.core.base import BaseConfig, FrozenBase, load_base, recorded_base
 from train.core.checkpoint import read_meta
@@ -53,8 +53,7 @@ def base_config(cfg: EvalConfig, meta: dict) -> BaseConfig:
 def fixed_tree(tc: TreeConfig, num_heads: int) -> Tree | None:
     """The tree for the fixed kinds; None for calibrated / auto."""
     if tc.kind == "preset":
-        paths = chain(num_heads) if tc.name == "chain" else PRESETS[tc.name]
-        return Tree.from_paths(paths, num_heads)
+        return Tree.from_paths(preset_paths(tc.name, num_heads), num_heads)
     if tc.kind == "branching":
         return Tree.from_paths(branching(tc.branching), num_heads)
     if tc.kind == "paths":

@@ -53,6 +53,11 @@ def branching(widths: Sequence[int]) -> list[list[int]]:
     return paths
 
 
+def preset_paths(name: str, num_heads: int) -> list[list[int]]:
+    """The paths of tree preset `name`: `chain` (one top-1 guess per head) or a key of PRESETS."""
+    return chain(num_heads) if name == "chain" else PRESETS[name]
+
+
 # Named trees. Prefixes of mc_sim_7b_63 are trees too: it was grown greedily, parents first.
 PRESETS: dict[str, list[list[int]]] = {
     "mc_sim_7b_63": MC_SIM_7B_63,

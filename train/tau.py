@@ -14,8 +14,9 @@ import lightning.pytorch as pl
 import torch
 
 from evaluation.decode import Decoder, eos_ids
+from evaluation.evaluate import acceptance_figures
 from evaluation.prompts import held_out_prompts
-from evaluation.tree import PRESETS, Tree, chain
+from evaluation.tree import Tree, preset_paths
 from train.config import ValTauConfig
 from train.core.base import FrozenBase
 from train.heads import save_heads
@@ -26,13 +27,8 @@ log = logging.getLogger(__name__)
 def tree_named(name: str, num_heads: int) -> Tree:
     """`chain` (top-1 guesses, one per head) or a preset tree of evaluation/tree.py, cut to
     the depth `num_heads` heads can propose."""
-    paths = chain(num_heads) if name == "chain" else PRESETS[name]
+    paths = preset_paths(name, num_heads)
     return Tree.from_paths([p for p in paths if len(p) <= num_heads], num_heads)
-
-
-def pooled_tau(accepted: list[int]) -> float:
-    """Tokens per verify forward over all steps of all prompts (eval.json's τ)."""
-    return (sum(accepted) + len(accepted)) / max(len(accepted), 1)
 
 
 class MeasuredTau(pl.Callback):
@@ -69,7 +65,7 @@ class MeasuredTau(pl.Callback):
                 accepted = []
                 for p in self.prompts:
                     accepted += decoder.speculative(p, self.cfg.max_new_tokens).accepted
-                taus[name] = pooled_tau(accepted)
+                taus[name] = acceptance_figures(accepted, 0)["tau"]  # eval.json's τ
         finally:
             heads.train(was_training)
         return taus

@@ -35,7 +35,8 @@ import torch  # noqa: E402
 from data_prep.config import PrepConfig, RegenConfig  # noqa: E402
 from data_prep.prepare import read_conversations  # noqa: E402
 from data_prep.readers import SkipLog  # noqa: E402
-from data_prep.regenerate import eos_ids, generate_replies, plan_batches, turn_prompt  # noqa: E402
+from data_prep.regenerate import generate_replies, plan_batches, turn_prompt  # noqa: E402
+from evaluation.decode import eos_ids  # noqa: E402
 from train.core.base import load_base  # noqa: E402
 from train.core.config import compose, load  # noqa: E402
 
@@ -80,7 +81,7 @@ def first_turn_prompts(cfg: PrepConfig, base, n: int) -> list[list[int]]:
 
 def hf_generate(base, batches: list[list[list[int]]], max_new_tokens: int) -> list[list[int]]:
     """Greedy `model.generate` over left-padded batches; replies without EOS and padding."""
-    tok, eos = base.tokenizer, eos_ids(base)
+    tok, eos = base.tokenizer, eos_ids(base.tokenizer, base.model)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     replies = []
     for prompts in batches:

@@ -9,6 +9,7 @@ import pytest
 
 from data_prep.prepare import prepare
 from data_prep.regenerate import regenerate
+from evaluation.decode import eos_ids
 from tests.helpers import conv, prep_config, regen_config
 
 
@@ -235,7 +236,7 @@ def test_batched_greedy_equals_batch_1_generate(
 
     monkeypatch.setattr(regen_mod, "PREFILL_TOKENS", prefill_tokens)
     monkeypatch.setattr(regen_mod, "ROW_STEP", row_step)
-    model, eos = lively_base.model, regen_mod.eos_ids(lively_base)
+    model, eos = lively_base.model, eos_ids(lively_base.tokenizer, lively_base.model)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 5, 40, 300, 120, 9)]
     new = 16
