@@ -4,9 +4,10 @@ total = sum_k w_k * (lm_weight * CE(head_k, x_{t+k+1}) + distill_weight * T^2 * 
 
 over assistant positions only, where p is the base model's own distribution at position t+k
 (the one that predicts x_{t+k+1}) and q head k's at position t. Logits are never held for all
-heads or all positions at once: `fused_head_loss` walks over position chunks, computes each
-chunk's loss *and* its gradient immediately (dL/dlogits has a closed form), and keeps only
-(N, H) and (V, H) gradients, so peak memory is one chunk x vocab instead of K x N x vocab.
+heads or all positions at once: `fused_heads_loss` walks over chunks of teacher positions,
+computes the teacher's softmax at each position once, then every head's loss *and* gradient
+against it immediately (dL/dlogits has a closed form), and keeps only (N, H) and (V, H)
+gradients, so peak memory is a few chunk x vocab buffers instead of K x N x vocab.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ METRIC_NAMES = ("top1", "top5", "top1_base", "top5_base")
 
 @dataclass
 class HeadLoss:
-    """One head's loss (a scalar with grad) and its detached counts over N positions."""
+    """One head's loss (a scalar) and its detached counts over N positions."""
 
     loss: torch.Tensor
     ce: torch.Tensor  # mean CE over positions whose target is in the head's vocab
@@ -30,84 +31,197 @@ class HeadLoss:
     n: int
 
 
-class _FusedHeadLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, state, weight, bias, teacher_state, teacher_weight, target, base_top1, opts):
-        # opts: (lm_weight, distill_weight, temperature, chunk size, #CE positions, #KL positions)
-        lm_w, kl_w, temperature, chunk, n_ce, n_kl = opts
-        N = state.shape[0]
-        need_grad = any(ctx.needs_input_grad[:3])
-        grad_state = torch.zeros_like(state, dtype=torch.float32) if need_grad else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
-        has_bias = bias is not None
-        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_grad and has_bias else None
-        w32 = weight.float()
-        b32 = bias.float() if has_bias else None
-        tw32 = teacher_weight.float() if teacher_weight is not None else None
-        ce_sum = state.new_zeros((), dtype=torch.float32)
-        kl_sum = state.new_zeros((), dtype=torch.float32)
-        counts = torch.zeros(4, dtype=torch.long, device=state.device)
-        T = temperature
-        for a in range(0, N, chunk):
-            s_c = state[a : a + chunk].float()
-            logits = s_c @ w32.T  # (c, V)
-            if has_bias:
-                logits += b32
-            dlogits = torch.zeros_like(logits) if need_grad else None
-            tgt = target[a : a + chunk]
-            if lm_w > 0:
-                valid = tgt >= 0
-                logp = torch.log_softmax(logits, -1)
-                safe = tgt.clamp_min(0)
-                nll = -logp.gather(1, safe[:, None])[:, 0]
-                ce_sum += (nll * valid).sum()
-                if need_grad:
-                    g = logp.exp()
-                    g[torch.arange(len(tgt), device=g.device), safe] -= 1.0
-                    dlogits += (lm_w / n_ce) * g * valid[:, None]
-                del logp
-            if kl_w > 0:
-                with torch.no_grad():
-                    t_logits = (teacher_state[a : a + chunk].float() @ tw32.T) / T
-                    log_p = torch.log_softmax(t_logits, -1)
-                    del t_logits
-                log_q = torch.log_softmax(logits / T, -1)
-                p = log_p.exp()
-                kl_sum += (p * (log_p - log_q)).sum()
-                if need_grad:
-                    # d/dlogits of T^2 * KL(p || softmax(logits / T)) = T * (q - p)
-                    dlogits += (kl_w * T / n_kl) * (log_q.exp() - p)
-                del log_p, log_q, p
-            with torch.no_grad():
-                top5 = logits.topk(min(5, logits.shape[-1]), -1).indices
-                counts[0] += (top5[:, 0] == tgt).sum()
-                counts[1] += (top5 == tgt[:, None]).any(-1).sum()
-                bt = base_top1[a : a + chunk]
-                counts[2] += (top5[:, 0] == bt).sum()
-                counts[3] += (top5 == bt[:, None]).any(-1).sum()
-            if need_grad:
-                grad_state[a : a + chunk] = dlogits @ w32
-                grad_weight += dlogits.T @ s_c
-                if has_bias:
-                    grad_bias += dlogits.sum(0)
-            del logits, dlogits
-        ce_mean = ce_sum / max(n_ce, 1)
-        kl_mean = kl_sum / max(n_kl, 1)
-        loss = lm_w * ce_mean + kl_w * T * T * kl_mean
-        ctx.has_bias = has_bias
-        if need_grad:
-            saved = [grad_state.to(state.dtype), grad_weight.to(weight.dtype)]
-            if has_bias:
-                saved.append(grad_bias.to(bias.dtype))
-            ctx.save_for_backward(*saved)
-        ctx.mark_non_differentiable(ce_mean, kl_mean, counts)
-        return loss, ce_mean, kl_mean, counts
+@dataclass
+class HeadInput:
+    """What one head brings to `fused_heads_loss`: its N scored positions.
+
+    state: (N, H) head states; weight: (V, H) the head's output projection; bias: (V,) or None;
+    rows: (N,) increasing indices into the teacher rows (the base's state at the position
+    whose next token is this head's target); target: (N,) the true token as an index into V
+    (-1: not in the head's vocab, no CE); weight_k: the head's weight in the total loss.
+    """
+
+    state: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    rows: torch.Tensor
+    target: torch.Tensor
+    weight_k: float = 1.0
+
+
+class _FusedHeadsLoss(torch.autograd.Function):
+    """All heads' losses in one walk over teacher-row chunks: the teacher's logits, softmax and
+    argmax at a position are computed once and shared by every head scored against it."""
 
     @staticmethod
-    def backward(ctx, g_loss, *_):
+    def forward(ctx, opts, teacher_state, teacher_weight, teacher_top1, *flat):
+        # opts: (lm_weight, distill_weight, temperature, chunk, head weights, #CE and #KL
+        # positions per head); flat: (state, weight, bias, rows, target) per head
+        lm_w, kl_w, T, chunk, head_w, n_ce, n_kl = opts
+        K = len(head_w)
+        heads = [flat[5 * k : 5 * k + 5] for k in range(K)]
+        need = [any(ctx.needs_input_grad[4 + 5 * k : 4 + 5 * k + 3]) for k in range(K)]
+        dev = teacher_state.device
+        M = teacher_state.shape[0]
+        # The three (n, H) x (H, V) products per head are most of a step's arithmetic; under
+        # autocast (trainer.precision=bf16-mixed) they run in bf16, softmax and sums in fp32.
+        tw32 = teacher_weight.float()
+        w32 = [h[1].float() for h in heads]
+        b32 = [None if h[2] is None else h[2].float() for h in heads]
+        grads = []
+        for k, (state, _, bias, _, _) in enumerate(heads):
+            if not need[k]:
+                grads.append(None)
+                continue
+            gb = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+            gw = torch.zeros_like(w32[k])
+            grads.append([torch.zeros_like(state, dtype=torch.float32), gw, gb])
+        ce_sum = torch.zeros(K, dtype=torch.float32, device=dev)
+        kl_sum = torch.zeros(K, dtype=torch.float32, device=dev)
+        counts = torch.zeros(K, 4, dtype=torch.long, device=dev)
+        # head k's rows that fall in teacher chunk i: bounds[k][i] .. bounds[k][i + 1]
+        edges = torch.arange(0, M + chunk, chunk, device=dev).clamp_max(M)
+        bounds = [torch.searchsorted(h[3], edges).tolist() for h in heads]
+        for i, a in enumerate(range(0, M, chunk)):
+            with torch.no_grad():
+                t_logits = (teacher_state[a : a + chunk].float() @ tw32.T).float()  # (c, V)
+                top = (
+                    teacher_top1[a : a + chunk] if teacher_top1 is not None else t_logits.argmax(-1)
+                )
+                if kl_w > 0:
+                    if T != 1.0:
+                        t_logits /= T
+                    log_p = torch.log_softmax(t_logits, -1)
+                    p = log_p.exp()
+                    neg_ent = (p * log_p).sum(-1)  # sum_v p log p, once per position
+                    del log_p
+                del t_logits
+            for k, (state, _, _, rows, target) in enumerate(heads):
+                lo, hi = bounds[k][i], bounds[k][i + 1]
+                if lo == hi:
+                    continue
+                sel = rows[lo:hi] - a
+                whole = hi - lo == p.shape[0] if kl_w > 0 else False
+                s_c = state[lo:hi].float()
+                logits = (s_c @ w32[k].T).float()  # (n, V); bf16 under autocast
+                if b32[k] is not None:
+                    logits += b32[k]
+                tgt = target[lo:hi]
+                d = None
+                log_q = None
+                if kl_w > 0:
+                    log_q = torch.log_softmax(logits / T if T != 1.0 else logits, -1)
+                    p_k = p if whole else p[sel]
+                    kl_sum[k] += neg_ent[sel].sum() - (p_k * log_q).sum()
+                    if need[k]:
+                        # d/dlogits of T^2 * KL(p || softmax(logits / T)) = T * (q - p)
+                        d = log_q.exp().sub_(p_k).mul_(head_w[k] * kl_w * T / n_kl[k])
+                    del p_k
+                if lm_w > 0:
+                    valid = tgt >= 0
+                    safe = tgt.clamp_min(0)
+                    logp = log_q if (log_q is not None and T == 1.0) else logits.log_softmax(-1)
+                    nll = -logp.gather(1, safe[:, None])[:, 0]
+                    ce_sum[k] += (nll * valid).sum()
+                    if need[k]:
+                        c = (head_w[k] * lm_w / n_ce[k]) * valid.float()
+                        g = logp.exp().mul_(c[:, None])
+                        g[torch.arange(len(tgt), device=dev), safe] -= c
+                        d = g if d is None else d.add_(g)
+                    del logp
+                del log_q
+                with torch.no_grad():
+                    top5 = logits.topk(min(5, logits.shape[-1]), -1).indices
+                    bt = top[sel]
+                    counts[k, 0] += (top5[:, 0] == tgt).sum()
+                    counts[k, 1] += (top5 == tgt[:, None]).any(-1).sum()
+                    counts[k, 2] += (top5[:, 0] == bt).sum()
+                    counts[k, 3] += (top5 == bt[:, None]).any(-1).sum()
+                del logits
+                if d is not None:
+                    gs, gw, gb = grads[k]
+                    gs[lo:hi] = d @ w32[k]
+                    gw += d.T @ s_c
+                    if gb is not None:
+                        gb += d.sum(0)
+                    del d
+            if kl_w > 0:
+                del p, neg_ent
+        ce = ce_sum / torch.tensor([max(n, 1) for n in n_ce], dtype=torch.float32, device=dev)
+        kl = kl_sum / torch.tensor([max(n, 1) for n in n_kl], dtype=torch.float32, device=dev)
+        per_head = lm_w * ce + kl_w * T * T * kl  # (K,)
+        total = (per_head * torch.tensor(head_w, dtype=torch.float32, device=dev)).sum()
+        saved, layout = [], []
+        for k, (state, weight, bias, _, _) in enumerate(heads):
+            if grads[k] is None:
+                layout.append(None)
+                continue
+            gs, gw, gb = grads[k]
+            layout.append((len(saved), gb is not None))
+            saved += [gs.to(state.dtype), gw.to(weight.dtype)]
+            if gb is not None:
+                saved.append(gb.to(bias.dtype))
+        ctx.layout = layout
+        ctx.save_for_backward(*saved)
+        ctx.mark_non_differentiable(per_head, ce, kl, counts)
+        return total, per_head, ce, kl, counts
+
+    @staticmethod
+    def backward(ctx, g_total, *_):
         saved = ctx.saved_tensors
-        grad_bias = saved[2] * g_loss if ctx.has_bias else None
-        return (saved[0] * g_loss, saved[1] * g_loss, grad_bias) + (None,) * 5
+        out: list[torch.Tensor | None] = [None, None, None, None]
+        for entry in ctx.layout:
+            if entry is None:
+                out += [None] * 5
+                continue
+            j, has_bias = entry
+            gb = saved[j + 2] * g_total if has_bias else None
+            out += [saved[j] * g_total, saved[j + 1] * g_total, gb, None, None]
+        return tuple(out)
+
+
+def fused_heads_loss(
+    heads: list[HeadInput],
+    teacher_state: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    teacher_top1: torch.Tensor | None = None,
+    lm_weight: float = 0.0,
+    distill_weight: float = 1.0,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, list[HeadLoss]]:
+    """Total loss (with grad) and each head's figures, walking teacher rows chunk by chunk.
+
+    teacher_state: (M, H) the base's final hidden states at the M positions some head is
+    scored against; teacher_weight: (V, H) projects them to the teacher logits (the head
+    vocab); teacher_top1: (M,) the base's argmax as an index into V (-1 outside it), or None
+    for the argmax of the teacher logits themselves. Each teacher row's logits, softmax and
+    argmax are computed once per step, however many heads use that row. Peak memory is a few
+    chunk x V buffers.
+    """
+    K = len(heads)
+    n_kl = [int(h.state.shape[0]) for h in heads]
+    n_ce = [int((h.target >= 0).sum()) if lm_weight > 0 else 0 for h in heads]
+    opts = (
+        float(lm_weight),
+        float(distill_weight),
+        float(temperature),
+        int(chunk_size),
+        [float(h.weight_k) for h in heads],
+        n_ce,
+        n_kl,
+    )
+    flat = []
+    for h in heads:
+        flat += [h.state, h.weight, h.bias, h.rows, h.target]
+    total, per_head, ce, kl, counts = _FusedHeadsLoss.apply(
+        opts, teacher_state, teacher_weight, teacher_top1, *flat
+    )
+    losses = [
+        HeadLoss(loss=per_head[k], ce=ce[k], kl=kl[k], counts=counts[k], n=n_kl[k])
+        for k in range(K)
+    ]
+    return total, losses
 
 
 def fused_head_loss(
@@ -123,23 +237,33 @@ def fused_head_loss(
     chunk_size: int = 1024,
     bias: torch.Tensor | None = None,
 ) -> HeadLoss:
-    """Loss of one head over N selected positions, computed chunk by chunk.
+    """One head's loss over N positions: `fused_heads_loss` with one head, one teacher row each.
 
     state: (N, H) head states; weight: (V, H) the head's output projection; target: (N,) the
     true token as an index into V (-1: not in the head's vocab, no CE); base_top1: (N,) the base
     model's argmax as an index into V (-1 when outside it); bias: (V,) or None, added to the
-    head's logits; teacher_state: (N, H) the base's
-    final hidden state at position t+k, projected by teacher_weight (V, H) to the teacher logits.
+    head's logits; teacher_state: (N, H) the base's final hidden state at position t+k,
+    projected by teacher_weight (V, H) to the teacher logits. `loss` carries the gradient.
     """
     if distill_weight > 0 and (teacher_state is None or teacher_weight is None):
         raise ValueError("distill_weight > 0 needs teacher_state and teacher_weight")
     n = state.shape[0]
-    n_ce = int((target >= 0).sum()) if lm_weight > 0 else 0
-    opts = (float(lm_weight), float(distill_weight), float(temperature), int(chunk_size), n_ce, n)
-    loss, ce, kl, counts = _FusedHeadLoss.apply(
-        state, weight, bias, teacher_state, teacher_weight, target, base_top1, opts
+    if teacher_state is None:  # CE only: a zero-width teacher, the argmax comes from base_top1
+        teacher_state = state.new_zeros((n, 0))
+        teacher_weight = weight.new_zeros((1, 0))
+    rows = torch.arange(n, device=state.device)
+    head = HeadInput(state, weight, bias, rows, target)
+    total, (hl,) = fused_heads_loss(
+        [head],
+        teacher_state,
+        teacher_weight,
+        base_top1,
+        lm_weight,
+        distill_weight,
+        temperature,
+        chunk_size,
     )
-    return HeadLoss(loss=loss, ce=ce, kl=kl, counts=counts, n=n)
+    return HeadLoss(loss=total, ce=hl.ce, kl=hl.kl, counts=hl.counts, n=n)
 
 
 def naive_head_losses(

@@ -14,7 +14,7 @@ from torch import nn
 
 from train.config import OptimConfig
 from train.heads import HeadSet, LossConfig
-from train.losses import METRIC_NAMES, fused_head_loss
+from train.losses import METRIC_NAMES, HeadInput, fused_heads_loss
 
 
 def lr_factor(step: int, warmup: int, total: int, final: float) -> float:
@@ -165,14 +165,36 @@ class HeadsModule(pl.LightningModule):
             embeds = F.embedding(ids, self.embed_weight) if self.heads.uses_path else None
         lengths = batch["attention_mask"].sum(-1)  # unpadded: the noise scale (zankner/Hydra)
         embeds = None if embeds is None else embeds.to(dtype)
-        states = self.heads(ctx_in.to(dtype), embeds, lengths)
+        # Head k scores position t when x_{t+k+1} is an assistant token of t's own segment;
+        # the heads run at those positions only: (N_k,) batch and time indices per head.
+        empty = ids.new_zeros(0)
+        select = []
+        for k in range(1, self.heads.num_heads + 1):
+            L = T - k - 1
+            if L <= 0:
+                select.append((empty, empty))
+                continue
+            valid = lmask[:, k + 1 :] & (seg[:, :L] == seg[:, k + 1 :])
+            select.append(valid.nonzero(as_tuple=True))
+        states = self.heads(ctx_in.to(dtype), embeds, lengths, select)  # K x (N_k, H)
         lc = self.loss_cfg
         draft = self.heads.draft
         tw = self.teacher_weight if draft is None else self.teacher_weight[draft.to_full]
-        # The base's argmax for the "vs base" accuracies: over the full vocab in validation;
-        # in training over the head's draft vocab only (6x cheaper at 8k of 49k tokens).
-        exact = draft is None or not self.training
-        base_top1 = chunked_argmax(final, self.teacher_weight if exact else tw)  # (B, T)
+        B = ids.shape[0]
+        # Teacher rows: every position p whose next token x_{p+1} some head is scored on (head k
+        # at t = p - k). Their logits, softmax and argmax are computed once in the loss, shared
+        # by all heads.
+        need = torch.zeros_like(lmask)
+        need[:, 1 : T - 1] = lmask[:, 2:]
+        tb, tp = need.nonzero(as_tuple=True)
+        row_of = torch.full((B, T), -1, dtype=torch.long, device=ids.device)
+        row_of[tb, tp] = torch.arange(tb.numel(), device=ids.device)
+        # The base's argmax for the "vs base" accuracies: over the full vocab in validation
+        # (then mapped into the draft vocab); in training over the head's draft vocab, from the
+        # shared teacher logits.
+        teacher_top1 = None
+        if draft is not None and not self.training:
+            teacher_top1 = draft.draft_ids(chunked_argmax(final[tb, tp], self.teacher_weight))
         weights = lc.head_weights(self.heads.num_heads)
         # Keeps every head parameter in the graph even if a batch has no valid position (DDP).
         # Not under ZeRO-3: its parameters are empty shards outside their modules' forward,
@@ -181,44 +203,50 @@ class HeadsModule(pl.LightningModule):
             total = states[0].sum() * 0.0
         else:
             total = sum(p.sum() for p in self.heads.parameters() if p.requires_grad) * 0.0
-        per_head = []
+        inputs, ks = [], []
         for k in range(1, self.heads.num_heads + 1):
-            L = T - k - 1
-            if L <= 0:
-                break
-            # position t is scored when x_{t+k+1} is an assistant token of t's own segment
-            valid = lmask[:, k + 1 :] & (seg[:, :L] == seg[:, k + 1 :])
-            b, t = valid.nonzero(as_tuple=True)
+            b, t = select[k - 1]
             if b.numel() == 0:
                 continue
-            target, top = ids[b, t + k + 1], base_top1[b, t + k]
+            target = ids[b, t + k + 1]
             if draft is not None:
                 target = draft.draft_ids(target)
-                top = draft.draft_ids(top) if exact else top
-            hl = fused_head_loss(
-                states[k - 1][b, t],
-                self.heads.lm_heads[k - 1].weight,
-                target,
-                top,
-                teacher_state=final[b, t + k].to(dtype) if lc.distill_weight > 0 else None,
-                teacher_weight=tw if lc.distill_weight > 0 else None,
+            lm = self.heads.lm_heads[k - 1]
+            inputs.append(
+                HeadInput(
+                    states[k - 1],
+                    lm.weight,
+                    lm.bias,
+                    row_of[b, t + k],
+                    target,
+                    weights[k - 1],
+                )
+            )
+            ks.append(k)
+        per_head = []
+        if inputs:
+            loss, losses = fused_heads_loss(
+                inputs,
+                final[tb, tp].to(dtype),
+                tw,
+                teacher_top1,
                 lm_weight=lc.lm_weight,
                 distill_weight=lc.distill_weight,
                 temperature=lc.temperature,
                 chunk_size=lc.chunk_size,
-                bias=self.heads.lm_heads[k - 1].bias,
             )
-            total = total + weights[k - 1] * hl.loss
-            per_head.append(
-                {
-                    "k": k,
-                    "loss": hl.loss.detach(),
-                    "ce": hl.ce,
-                    "kl": hl.kl,
-                    "counts": hl.counts,
-                    "n": hl.n,
-                }
-            )
+            total = total + loss
+            for k, hl in zip(ks, losses, strict=True):
+                per_head.append(
+                    {
+                        "k": k,
+                        "loss": hl.loss,
+                        "ce": hl.ce,
+                        "kl": hl.kl,
+                        "counts": hl.counts,
+                        "n": hl.n,
+                    }
+                )
         return total, per_head
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

@@ -93,6 +93,29 @@ def test_proposal_step_equals_teacher_forcing(tiny_base, name):
         assert torch.allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_selected_positions_equal_the_full_forward(tiny_base, name):
+    """forward(select=...) runs head k only at the given (b, t): the same states as the full
+    forward at those positions, last positions (zero path past the end) and empty sets too."""
+    heads = make(tiny_base, name)
+    B, T = 2, 9
+    ids = torch.randint(0, 250, (B, T))
+    hidden, emb = torch.randn(B, T, 64), tiny_base.embed_tokens(ids)
+    full = heads(hidden, emb)
+    torch.manual_seed(3)
+    select = []
+    for k in range(3):
+        mask = torch.rand(B, T) < 0.5
+        mask[1, T - 1] = k != 1  # the last position of a row; head 2 gets no position at all
+        if k == 1:
+            mask[:] = False
+        select.append(mask.nonzero(as_tuple=True))
+    part = heads(hidden, emb, None, select)
+    for k, (b, t) in enumerate(select):
+        assert part[k].shape == (b.numel(), 64)
+        assert torch.allclose(part[k], full[k][b, t], atol=1e-6), k
+
+
 def test_hydra_pp_kv_cache_matches_full_context(tiny_base):
     heads = make(tiny_base, "hydra_pp")
     hidden = torch.randn(1, 9, 64)

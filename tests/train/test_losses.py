@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.losses import fused_head_loss, naive_head_losses
+from train.losses import HeadInput, fused_head_loss, fused_heads_loss, naive_head_losses
 
 
 @pytest.mark.parametrize(("lm", "kl", "T"), [(1.0, 0.0, 1.0), (0.0, 1.0, 1.0), (0.3, 1.0, 2.0)])
@@ -90,3 +90,42 @@ def test_bias_enters_logits_and_gets_its_gradient(chunk):
     assert float(b.abs().sum()) > 0  # the bias really changed the logits
     no_bias = fused_head_loss(s, w, tgt, tgt, ts, tw, 0.4, 1.0, T, chunk)
     assert abs(float(no_bias.loss) - float(out.loss)) > 1e-3
+
+
+@pytest.mark.parametrize(("lm", "kl", "T"), [(1.0, 0.0, 1.0), (0.0, 1.0, 1.0), (0.3, 1.0, 2.0)])
+@pytest.mark.parametrize("chunk", [1, 6, 1000])
+def test_shared_teacher_equals_per_head_teacher(lm, kl, T, chunk):
+    """fused_heads_loss computes each teacher row once for all heads. Heads score different,
+    overlapping subsets of the rows (as head k does at t = p - k); the total, each head's
+    figures and every gradient equal the naive loss with each head's own teacher copy."""
+    torch.manual_seed(2)
+    K, M, H, V = 3, 23, 10, 35
+    teacher = torch.randn(M, H)
+    tw = torch.randn(V, H)
+    hw = [1.0, 0.8, 0.64]
+    rows = [torch.arange(M)[k:] if k % 2 == 0 else torch.arange(M)[: M - 2 * k] for k in range(K)]
+    rows[2] = rows[2][::2]  # a gappy subset: chunk edges fall between a head's rows
+    states = [torch.randn(len(r), H, requires_grad=True) for r in rows]
+    weights = [torch.randn(V, H, requires_grad=True) for _ in range(K)]
+    targets = [torch.randint(-1, V, (len(r),)) for r in rows]
+    ref_total = 0.0
+    for k in range(K):  # naive_head_losses needs equal N: one head at a time
+        ref_total = ref_total + naive_head_losses(
+            [states[k]], [weights[k]], [targets[k]], [teacher[rows[k]]], tw, lm, kl, T, [hw[k]]
+        )
+    g_ref = torch.autograd.grad(ref_total, states + weights)
+    heads = [HeadInput(states[k], weights[k], None, rows[k], targets[k], hw[k]) for k in range(K)]
+    total, per_head = fused_heads_loss(heads, teacher, tw, None, lm, kl, T, chunk)
+    assert torch.allclose(total, ref_total, rtol=1e-5, atol=1e-5)
+    g = torch.autograd.grad(total, states + weights)
+    for a, b in zip(g, g_ref, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert sum(hw[k] * float(h.loss) for k, h in enumerate(per_head)) == pytest.approx(
+        float(total), rel=1e-5
+    )
+    # the "vs base" counts use the teacher's own argmax at each head's rows
+    top = (teacher @ tw.T).argmax(-1)
+    for k, h in enumerate(per_head):
+        pred = (states[k] @ weights[k].T).argmax(-1)
+        assert int(h.counts[2]) == int((pred == top[rows[k]]).sum())
+        assert h.n == len(rows[k])

@@ -212,9 +212,11 @@ def test_hidden_state_offset_reads_an_earlier_layer(tiny_prepared, tmp_path):
     batch = next(iter(dm.train_dataloader()))
     seen = {}
     for name, m in (("0", m0), ("1", m1)):
-        m.heads.register_forward_pre_hook(
-            lambda mod, args, name=name: seen.setdefault(name, args[0])
-        )
+        # a pre-hook that returns a value replaces the arguments: record, return None
+        def record(mod, args, name=name) -> None:
+            seen.setdefault(name, args[0])
+
+        m.heads.register_forward_pre_hook(record)
         m.compute(batch)
     with torch.no_grad():
         out = m0.base_model.model(

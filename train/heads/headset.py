@@ -95,33 +95,45 @@ class HeadSet(nn.Module):
         hidden: torch.Tensor,
         input_embeds: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
+        select: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> list[torch.Tensor]:
-        """Head states (what the output projection reads) for all positions, teacher-forced.
+        """Head states (what the output projection reads), teacher-forced.
 
         hidden: (B, T, H) base hidden states; input_embeds: (B, T, H) base embeddings of the
         input tokens (needed when `uses_path`); lengths: (B,) unpadded lengths (the noise
         scale). Returns K tensors (B, T, H); entry k-1 at position t is head k's state for
-        predicting x_{t+k+1}, built from tokens <= t+k only. In training, noise (head.noise_alpha)
+        predicting x_{t+k+1}, built from tokens <= t+k only. With `select`, K pairs (b, t) of
+        (N_k,) indices, entry k-1 is (N_k, H): head k at those positions only. The heads are
+        position-wise, so training runs them where the loss scores them (assistant tokens)
+        instead of over every position and padding. In training, noise (head.noise_alpha)
         and dropout go where zankner/Hydra puts them.
         """
         noise = None
         if self.training and self.cfg.noise_alpha > 0:  # one draw for h_t and the embeddings
             noise = official_noise(hidden, self.cfg.noise_alpha, lengths)
         ctx = self.context(hidden + noise if noise is not None and self.noise_on_hidden else hidden)
-        path = None
+        emb = None
         if self.uses_path:
             if input_embeds is None:
                 raise ValueError(f"{self.arch} heads need input_embeds")
             emb = input_embeds if noise is None else input_embeds + noise
-            B, T, H = emb.shape
-            k_max = self.num_heads
-            # path[:, t, j] = e(x_{t+1+j}), zero past the end: (B, T, K, H)
-            padded = torch.cat([emb, emb.new_zeros(B, k_max, H)], dim=1)
-            path = padded.unfold(1, k_max, 1)[:, 1 : T + 1].permute(0, 1, 3, 2)
-        return [
-            self.lm_dropout(self.head_input(k, ctx, None if path is None else path[:, :, : k + 1]))
-            for k in range(self.num_heads)
-        ]
+            B, _, H = emb.shape
+            # e(x_{t+1+j}) for t + 1 + j >= T is zero: (B, T + K, H)
+            emb = torch.cat([emb, emb.new_zeros(B, self.num_heads, H)], dim=1)
+        T = hidden.shape[1]
+        out = []
+        for k in range(self.num_heads):
+            if select is None:
+                c, path = ctx, None  # (B, T, H); path[:, t, j] = e(x_{t+1+j}): (B, T, k+1, H)
+                if emb is not None:
+                    path = emb.unfold(1, k + 1, 1)[:, 1 : T + 1].permute(0, 1, 3, 2)
+            else:
+                b, t = select[k]
+                c, path = ctx[b, t], None  # (N, H); path (N, k+1, H)
+                if emb is not None:
+                    path = emb[b[:, None], t[:, None] + torch.arange(1, k + 2, device=t.device)]
+            out.append(self.lm_dropout(self.head_input(k, c, path)))
+        return out
 
     # -- checkpoints: tied blocks are one tensor under several names ------------------------
     def unique_state(self) -> dict[str, torch.Tensor]:
