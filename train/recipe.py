@@ -139,6 +139,25 @@ def build_module(
     return module, dm, meta, base
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 matmul units (AVX512-BF16 or AMX) that oneDNN uses."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def warn_slow_cpu_bf16(trainer: pl.Trainer) -> bool:
+    """Warn (and return True) when bf16 autocast runs on a CPU without bf16 units: there its
+    matmuls are several times slower than fp32; with them an offline step is ~2.3x faster."""
+    on_cpu = trainer.strategy.root_device.type == "cpu"
+    if not (on_cpu and "bf16" in str(trainer.precision)) or cpu_has_bf16():
+        return False
+    log.warning(
+        "trainer.precision=%s on a CPU without bf16 units (AVX512-BF16 / AMX): training will "
+        "be several times slower than with trainer.precision=32-true",
+        trainer.precision,
+    )
+    return True
+
+
 def make_trainer(cfg: TrainConfig, **kwargs: Any) -> pl.Trainer:
     """The Lightning Trainer of `cfg.trainer` (a checked `_target_` config) with `kwargs`."""
     from hydra.utils import instantiate
@@ -184,6 +203,7 @@ def fit(
     ]
     build = make or (lambda **kw: make_trainer(cfg, **kw))
     trainer = build(callbacks=callbacks, logger=logger, default_root_dir=str(out))
+    warn_slow_cpu_bf16(trainer)
     # Under ZeRO-3 a base bigger than one GPU (or one host's share) must be built already
     # partitioned: its loading waits for the strategy's zero.Init context (configure_model).
     defer = (

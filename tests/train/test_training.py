@@ -239,3 +239,43 @@ def test_heads_with_biases_start_as_the_base_and_train_their_biases(tiny_prepare
     assert all(b is not None and not b.any() for b in biases)
     _fit(module, dm, 5)
     assert all(b.abs().sum() > 0 for b in biases)
+
+
+def test_bf16_autocast_step_matches_fp32_and_slow_cpus_are_warned(
+    tiny_prepared, tmp_path, monkeypatch, caplog
+):
+    """trainer.precision=bf16-mixed runs the step under CPU autocast (the loss's big matmuls
+    in bf16, softmax in fp32): loss and gradients stay close to fp32. On a CPU without bf16
+    units it would be slow, and fit warns."""
+    import logging
+
+    import lightning.pytorch as pl
+
+    import train.recipe as recipe
+
+    module, dm, *_ = build_module(_cfg(tiny_prepared, tmp_path, "data.offline=true"))
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    params = [p for p in module.heads.parameters() if p.requires_grad]
+    results = []
+    for bf16 in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = module.compute(batch)
+        results.append(
+            (loss.detach(), torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]))
+        )
+    (l32, g32), (l16, g16) = results
+    assert torch.allclose(l16, l32, rtol=2e-2)
+    assert torch.nn.functional.cosine_similarity(g16, g32, dim=0) > 0.99
+    assert not torch.equal(g16, g32)  # autocast really changed the arithmetic
+
+    def trainer(precision):
+        return pl.Trainer(accelerator="cpu", precision=precision, logger=False)
+
+    monkeypatch.setattr(recipe, "cpu_has_bf16", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="train.recipe"):
+        assert recipe.warn_slow_cpu_bf16(trainer("bf16-mixed"))
+    assert "without bf16 units" in caplog.text
+    assert not recipe.warn_slow_cpu_bf16(trainer("32-true"))
+    monkeypatch.setattr(recipe, "cpu_has_bf16", lambda: True)
+    assert not recipe.warn_slow_cpu_bf16(trainer("bf16-mixed"))
