@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 DEMO ?= runs/demo
 
-.PHONY: setup test test-fast demo sweep-demo lint format bench clean
+.PHONY: setup test test-fast demo sweep-demo recipe-1h lint format bench clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,21 @@ SWEEP ?= runs/sweep-demo
 sweep-demo: setup
 	test -f $(DEMO)/data/dataset_dict.json || $(BIN)/hydra-heads prep data.max_conversations=2000 out=$(DEMO)/data overwrite=true
 	$(BIN)/hydra-heads sweep sweep=architectures out=$(SWEEP) 'train_args=["data.prepared=$(DEMO)/data"]'
+
+# The one-hour CPU recipe (conf/experiment/smollm2_cpu_1h.yaml), one thread per process:
+# self-distilled prep (~40 min for 2,327 first turns + hidden-state cache), Hydra++ training
+# (~1 h), then MT-Bench (8 questions, both turns, 128 new tokens) on the 63-node tree, a chain
+# and tree=auto, HumanEval on the 63-node tree, and a report. Re-running resumes.
+RECIPE ?= runs/cpu_1h
+EVAL_MT := eval.suite=mt_bench eval.num_prompts=8 eval.max_new_tokens=128
+recipe-1h: setup
+	test -f $(RECIPE)/data/dataset_dict.json || OMP_NUM_THREADS=1 $(BIN)/hydra-heads prep data.max_conversations=2400 regenerate=true regen.max_turns=1 regen.max_new_tokens=128 regen.max_prompt_tokens=384 cache_hidden=true data.max_length=512 out=$(RECIPE)/data
+	OMP_NUM_THREADS=1 $(BIN)/hydra-heads train experiment=smollm2_cpu_1h data.prepared=$(RECIPE)/data out=$(RECIPE)/train resume=auto
+	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_tree63 $(EVAL_MT) tree=mc_sim_7b_63
+	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_chain $(EVAL_MT) tree=chain
+	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_auto $(EVAL_MT)
+	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/humaneval_tree63 eval.suite=humaneval eval.num_prompts=8 eval.max_new_tokens=128 tree=mc_sim_7b_63
+	$(BIN)/hydra-heads report runs=[$(RECIPE)/mt_bench_tree63,$(RECIPE)/mt_bench_chain,$(RECIPE)/mt_bench_auto,$(RECIPE)/humaneval_tree63] out=$(RECIPE)/report
 
 lint: setup
 	$(BIN)/ruff check .
