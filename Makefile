@@ -45,7 +45,7 @@ sweep-demo: setup
 	$(BIN)/hydra-heads sweep sweep=architectures out=$(SWEEP) 'train_args=["data.prepared=$(DEMO)/data"]'
 
 # The one-hour CPU recipe (conf/experiment/smollm2_cpu_1h.yaml), one thread per process:
-# self-distilled prep (~40 min for 2,327 first turns + hidden-state cache), Hydra++ training
+# self-distilled prep (2,327 first turns + hidden-state cache: 62 min beside two other jobs), Hydra++ training
 # (~1 h), then MT-Bench (8 questions, both turns, 128 new tokens) on the 63-node tree, a chain
 # and tree=auto, HumanEval on the 63-node tree, and a report. Re-running resumes.
 RECIPE ?= runs/cpu_1h
