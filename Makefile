@@ -56,7 +56,7 @@ recipe-1h: setup
 	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_tree63 $(EVAL_MT) tree=mc_sim_7b_63
 	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_chain $(EVAL_MT) tree=chain
 	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_auto $(EVAL_MT)
-	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/humaneval_tree63 eval.suite=humaneval eval.num_prompts=8 eval.max_new_tokens=128 tree=mc_sim_7b_63
+	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/humaneval_tree63 eval.suite=humaneval eval.num_prompts=8 eval.max_new_tokens=128 tree=mc_sim_7b_63 eval.compare_plain=false
 	$(BIN)/hydra-heads report runs=[$(RECIPE)/mt_bench_tree63,$(RECIPE)/mt_bench_chain,$(RECIPE)/mt_bench_auto,$(RECIPE)/humaneval_tree63] out=$(RECIPE)/report
 
 lint: setup
