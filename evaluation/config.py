@@ -89,6 +89,9 @@ class EvalSettings(ConfigModel):
     seed: int
     device: str
     threads: Positive | None  # torch CPU threads (null: torch's default)
+    kv_cache: Literal["static", "dynamic"]  # pre-allocated and compacted in place | concatenating
+    base_quant: Literal["none", "bf16", "int8"]  # the base's weights; the heads stay float32
+    compile: bool  # torch.compile the base's decode and verify forwards
     progress: bool
 
     @model_validator(mode="after")

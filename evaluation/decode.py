@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from evaluation.backend import compute_dtype
+from evaluation.kvcache import PreallocatedCache, keep_accepted, num_cache_layers
 from evaluation.tree import Tree
 from evaluation.verify import (
     ACCEPTANCE,
@@ -22,12 +24,26 @@ from evaluation.verify import (
     accept_rejection,
     accept_typical,
     base_forward,
-    compact_cache,
     sample_token,
     tree_attention_mask,
     tree_bias,
 )
 from train.heads import HeadSet, KVCache
+
+KV_CACHES = ("static", "dynamic")
+CAPACITY_BUCKET = 256  # compiled decoding: KV capacity rounded up to a multiple of this
+
+
+def compile_body(model):
+    """torch.compile of the base's body (no output projection): inductor with frozen weights
+    on CPU, CUDA graphs (mode=reduce-overhead) on CUDA."""
+    device = next(model.parameters()).device
+    if device.type == "cpu":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True  # weights as constants: prepacked for oneDNN
+        return torch.compile(model.model, dynamic=False)
+    return torch.compile(model.model, dynamic=False, mode="reduce-overhead")
 
 
 @dataclass
@@ -37,7 +53,8 @@ class Generation:
     tokens: list[int]
     finish: str  # "eos" or "length"
     prefill_s: float = 0.0
-    total_s: float = 0.0  # prefill included
+    total_s: float = 0.0  # prefill included, compiling not
+    compile_s: float = 0.0  # eval.compile: time this generation spent compiling graphs
     steps: int = 0  # base forwards after the prefill
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per verify step
     propose_s: float = 0.0
@@ -100,7 +117,11 @@ def eos_ids(tokenizer, model) -> set[int]:
     return ids
 
 
-def new_cache(model):
+def new_cache(model, capacity: int | None = None):
+    """The base's KV cache for one generation: pre-allocated for `capacity` positions, or
+    transformers' concatenating DynamicCache when capacity is None."""
+    if capacity is not None:
+        return PreallocatedCache(num_cache_layers(model), capacity)
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
@@ -117,17 +138,35 @@ class Decoder:
         tree: Tree | None = None,
         sampling: SamplingConfig | None = None,
         hidden_state_offset: int = 0,
+        kv_cache: str = "static",
+        compile: bool = False,
     ):
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache={kv_cache!r} is invalid: choose one of {KV_CACHES}")
+        if compile and kv_cache != "static":
+            raise ValueError("compile=True needs kv_cache='static' (compiled shapes are fixed)")
+        self.kv_cache = kv_cache
         self.model = model.eval()
         self.eos = set(eos)
         self.heads = heads.eval() if heads is not None else None
         self.sampling = sampling or SamplingConfig(temperature=0.0, acceptance="greedy", seed=0)
         self.offset = hidden_state_offset
-        self.embed = model.get_input_embeddings()
         self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = compute_dtype(model)  # the base's activations (bf16 for a bf16 base)
+        embed = model.get_input_embeddings()
+        if embed.weight.dtype != torch.float32:  # the heads run in float32 whatever the base
+            embed = torch.nn.Embedding.from_pretrained(embed.weight.float(), freeze=True)
+        self.embed = embed
+        # trees up to this many nodes get all their output logits from one projection: a
+        # float32 matmul's cost grows with its rows, a bf16 one's barely (weights read once)
+        self.project_all = 16 if self.dtype == torch.float32 else 64
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
+        # eval.compile: one compiled graph per (tokens per forward, cache capacity bucket);
+        # the prefill stays eager (its length varies). compile_s: time spent compiling.
+        self.compiled = compile_body(model) if compile else None
+        self.compiled_shapes: set[tuple[int, int]] = set()
+        self.compile_s = 0.0
         self.tree = None
         if tree is not None:
             self.set_tree(tree)
@@ -152,13 +191,49 @@ class Decoder:
                 f"model's {self.max_positions} positions: shorten the prompt or max_new_tokens"
             )
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, mask=None):
-        return base_forward(self.model, ids[None], positions[None], cache, mask, self.offset)
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, tree: bool = False):
+        """The base over `ids` at `positions` (a prefill, a one-token step, or the tree when
+        `tree`), appending to `cache`: (final, heads' input) hidden states."""
+        n = ids.numel()
+        past = int(positions[0])  # a step's first token sits right after the cached ones
+        if self.compiled is not None and (tree or n == 1):
+            cap = cache.layers[0].max_cache_len
+            # static shapes: attend over the whole buffer, the unused slots masked out
+            mask = torch.full((1, 1, n, cap), torch.finfo(self.dtype).min, dtype=self.dtype,
+                              device=self.device)  # fmt: skip
+            mask[..., :past] = 0
+            mask[0, 0, :, past : past + n] = self.bias if tree else 0
+            key, t = (n, cap), time.perf_counter()
+            final, hid = base_forward(
+                self.model, ids[None], positions[None], cache, mask, self.offset, self.compiled
+            )
+            if key not in self.compiled_shapes:  # this call compiled its graph
+                self.compiled_shapes.add(key)
+                self.compile_s += time.perf_counter() - t
+            return final, hid.float()
+        mask = tree_attention_mask(self.bias, past) if tree else None
+        final, hid = base_forward(self.model, ids[None], positions[None], cache, mask, self.offset)
+        return final, hid.float()
+
+    def _caches(self, prompt_len: int, max_new: int):
+        """The base's KV cache and the heads' (Hydra++'s extra layer) for one generation."""
+        if self.kv_cache == "dynamic":
+            return new_cache(self.model), KVCache()
+        nodes = self.tree.num_nodes if self.tree is not None else 1
+        need = prompt_len + max_new + nodes + 1
+        if self.compiled is not None:  # capacity in buckets, so that few graphs compile
+            from transformers import StaticCache
+
+            bucket = -(-need // CAPACITY_BUCKET) * CAPACITY_BUCKET
+            base = StaticCache(config=self.model.config, max_cache_len=bucket)
+        else:
+            base = new_cache(self.model, need)
+        return base, PreallocatedCache(1, need)
 
     def _next_token(self, final: torch.Tensor) -> int:
         """The base model's own token after the last of `final` (n, H) hidden states."""
         s = self.sampling
-        logits = self.model.lm_head(final[-1])
+        logits = self.model.lm_head(final[-1:])[0]  # 2-D: quantized linears take no vectors
         return sample_token(logits, s.temperature, self.generator, s.typical)
 
     def _emit(self, out: list[int], new: list[int], max_new: int) -> str | None:
@@ -183,8 +258,8 @@ class Decoder:
         ids = self._prompt(prompt)
         L = ids.numel()
         self._check_length(L, max_new_tokens)
-        t0 = time.perf_counter()
-        cache = new_cache(self.model)
+        t0, c0 = time.perf_counter(), self.compile_s
+        cache, _ = self._caches(L, max_new_tokens)
         final, _ = self._forward(ids, torch.arange(L, device=self.device), cache)
         token = self._next_token(final)
         prefill = time.perf_counter() - t0
@@ -197,8 +272,9 @@ class Decoder:
             steps += 1
             token = self._next_token(final)
             finish = self._emit(out, [token], max_new_tokens)
-        total = time.perf_counter() - t0
-        return Generation(out, finish, prefill, total, steps)
+        compiling = self.compile_s - c0
+        total = time.perf_counter() - t0 - compiling
+        return Generation(out, finish, prefill, total, compiling, steps)
 
     # -- speculative decoding ---------------------------------------------------------------
     @torch.no_grad()
@@ -221,9 +297,18 @@ class Decoder:
 
     def _accept(self, tokens: torch.Tensor, final: torch.Tensor):
         s = self.sampling
+        if final.shape[0] <= self.project_all:
+            # one projection of every node reads the output weights once; walking the tree
+            # reads them once per accepted node (each a ~1-row matmul of the same cost)
+            every = self.model.lm_head(final)
 
-        def logits(nodes: torch.Tensor) -> torch.Tensor:
-            return self.model.lm_head(final[nodes])
+            def logits(nodes: torch.Tensor) -> torch.Tensor:
+                return every[nodes]
+
+        else:
+
+            def logits(nodes: torch.Tensor) -> torch.Tensor:
+                return self.model.lm_head(final[nodes])
 
         if s.acceptance == "greedy":
             return accept_greedy(self.tree, tokens, logits)
@@ -240,10 +325,10 @@ class Decoder:
         )
 
     @torch.no_grad()
-    def _prefill(self, ids: torch.Tensor) -> _State:
+    def _prefill(self, ids: torch.Tensor, max_new: int) -> _State:
         dev = self.device
         L = ids.numel()
-        st = _State(new_cache(self.model), KVCache(), L)
+        st = _State(*self._caches(L, max_new), L)
         final, hid = self._forward(ids, torch.arange(L, device=dev), st.cache)
         st.root = self._next_token(final)
         ctx = self.heads.context(
@@ -258,11 +343,12 @@ class Decoder:
         t1 = time.perf_counter()
         tokens = self.propose(st.ctx, st.root, st.length)
         t2 = time.perf_counter()
-        mask = tree_attention_mask(self.bias, st.length)
-        final, hid = self._forward(tokens, st.length + self.depth, st.cache, mask)
+        c0 = self.compile_s
+        final, hid = self._forward(tokens, st.length + self.depth, st.cache, tree=True)
         t3 = time.perf_counter()
+        t2 += self.compile_s - c0  # compiling is reported apart, not as verify time
         nodes, bonus = self._accept(tokens, final)
-        compact_cache(st.cache, st.length, nodes)
+        keep_accepted(st.cache, st.length, nodes)
         n = nodes.numel()
         pos = torch.arange(st.length, st.length + n, device=self.device)
         st.ctx = self.heads.context(hid[nodes][None], cache=st.head_cache, positions=pos)[0, -1]
@@ -288,15 +374,16 @@ class Decoder:
             return gen
         ids = self._prompt(prompt)
         self._check_length(ids.numel(), max_new_tokens)
-        t0 = time.perf_counter()
-        st = self._prefill(ids)
+        t0, c0 = time.perf_counter(), self.compile_s
+        st = self._prefill(ids, max_new_tokens)
         gen = Generation([], "length")
         gen.prefill_s = time.perf_counter() - t0
         finish = self._emit(gen.tokens, [st.root], max_new_tokens)
         while finish is None:
             finish = self._emit(gen.tokens, self._step(st, gen), max_new_tokens)
         gen.finish = finish
-        gen.total_s = time.perf_counter() - t0
+        gen.compile_s = self.compile_s - c0
+        gen.total_s = time.perf_counter() - t0 - gen.compile_s
         return gen
 
     @torch.no_grad()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from data_prep.readers import DataError, SkipLog
+from evaluation.backend import quantize_base, use_gqa_attention
 from evaluation.calibrate import calibrate, choose_tree
 from evaluation.config import EvalConfig, EvalSettings, TreeConfig
 from evaluation.decode import Decoder, Generation, SamplingConfig, eos_ids
@@ -70,13 +71,23 @@ def setup(cfg: EvalConfig) -> tuple[FrozenBase, Decoder, Tree | None, dict]:
     meta = read_meta(cfg.heads)
     base = load_base(base_config(cfg, meta), ev.device)
     heads, meta = load_heads(cfg.heads, base.fingerprint(), ev.device)
+    meta["base_fingerprint"] = base.fingerprint()  # of the unquantized weights
+    base.model = quantize_base(base.model, ev.base_quant)
+    use_gqa_attention(base.model)
+    use_gqa_attention(heads)
     tree = fixed_tree(cfg.tree, heads.num_heads)
     sampling = SamplingConfig(
         ev.temperature, ev.acceptance, ev.seed, ev.posterior_threshold, ev.posterior_alpha
     )
     offset = int(meta.get("hidden_state_offset") or 0)
     eos = eos_ids(base.tokenizer, base.model)
-    return base, Decoder(base.model, eos, heads, None, sampling, offset), tree, meta
+    if ev.compile and ev.base_quant == "int8":
+        raise ConfigError(
+            "eval.compile=true with eval.base_quant=int8: torch's dynamic int8 linears do not "
+            "compile; use eval.base_quant=bf16 or none with compile, or compile=false with int8"
+        )
+    decoder = Decoder(base.model, eos, heads, None, sampling, offset, ev.kv_cache, ev.compile)
+    return base, decoder, tree, meta
 
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -321,7 +332,14 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
         "heads": str(Path(cfg.heads).expanduser().resolve()),
         "arch": decoder.heads.arch,
         "num_heads": decoder.heads.num_heads,
-        "base": base.fingerprint(),
+        "base": meta["base_fingerprint"],
+        "backend": {
+            "kv_cache": ev.kv_cache,
+            "base_quant": ev.base_quant,
+            "compile": ev.compile,
+            "compile_s": round(decoder.compile_s, 2),  # not in any decode time
+            "compiled_shapes": sorted(decoder.compiled_shapes),
+        },
         "tree": tree_info,
         "sampling": asdict(decoder.sampling),
         "max_new_tokens": ev.max_new_tokens,

@@ -63,14 +63,16 @@ def base_forward(
     cache,
     mask: torch.Tensor | None = None,
     hidden_state_offset: int = 0,
+    body=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the base over `input_ids` (1, n) at `positions` (1, n), appending to `cache`.
 
     Returns the last (post-norm) hidden states (n, H), which the base's lm_head turns into
     logits, and the hidden states the heads read (n, H): the same tensor, or the output of the
     `hidden_state_offset`-th layer from the end when the heads were trained on that.
+    `body`: what runs in place of `model.model` (its compiled version).
     """
-    out = model.model(
+    out = (body if body is not None else model.model)(
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=positions,
@@ -81,21 +83,6 @@ def base_forward(
     final = out.last_hidden_state[0]  # (n, H)
     ctx = final if hidden_state_offset == 0 else out.hidden_states[-1 - hidden_state_offset][0]
     return final, ctx
-
-
-def compact_cache(cache, past: int, keep: torch.Tensor) -> None:
-    """Keep the prefix and the accepted tree nodes `keep` (ascending, root first) in the base
-    KV cache, moved to sit right after the prefix; the rejected nodes' entries are dropped. No
-    position is recomputed: each accepted node already attended to exactly its own path."""
-    n = int(keep.numel())
-    moved = not bool((keep == torch.arange(n, device=keep.device)).all())
-    idx = keep + past
-    for layer in cache.layers:
-        if moved:
-            layer.keys[:, :, past : past + n] = layer.keys[:, :, idx]
-            layer.values[:, :, past : past + n] = layer.values[:, :, idx]
-        layer.keys = layer.keys[:, :, : past + n]
-        layer.values = layer.values[:, :, : past + n]
 
 
 def _path_lengths(tree: Tree, ok: torch.Tensor) -> torch.Tensor:

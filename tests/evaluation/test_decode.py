@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from evaluation.decode import Decoder, SamplingConfig
 from evaluation.tree import PRESETS, Tree, branching, chain
-from evaluation.verify import accept_greedy, accept_rejection, compact_cache
+from evaluation.verify import accept_greedy, accept_rejection
 from tests.helpers import OracleDecoder, make_heads, trees
 
 PROMPTS = ["hello there, how are you?", "count: 1 2 3 4", "<|im_start|>user\nhi<|im_end|>\n"]
@@ -76,22 +76,6 @@ def test_oracle_heads_accept_full_paths_and_keep_the_right_kv(tiny_base, true_pa
     # every step but the last accepts the whole path (3 drafts) + bonus: tau 4
     assert gen.accepted[:-1] == [3] * (len(gen.accepted) - 1)
     assert gen.tau > 3.5
-
-
-def test_compact_cache_moves_accepted_entries(tiny_base):
-    from evaluation.decode import new_cache
-    from evaluation.verify import base_forward
-
-    model = tiny_base.model
-    cache = new_cache(model)
-    x = torch.randint(0, 200, (1, 9))
-    base_forward(model, x, torch.arange(9)[None], cache)
-    before = [layer.keys.clone() for layer in cache.layers]
-    compact_cache(cache, 4, torch.tensor([0, 2, 4]))
-    for layer, old in zip(cache.layers, before, strict=True):
-        assert layer.keys.shape[2] == 7
-        assert torch.equal(layer.keys[:, :, :4], old[:, :, :4])
-        assert torch.equal(layer.keys[:, :, 4:], old[:, :, [4, 6, 8]])
 
 
 def test_empty_tree_is_plain_decoding(tiny_base):

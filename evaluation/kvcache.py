@@ -1,0 +1,146 @@
+"""A pre-allocated KV cache for decoding: fixed buffers, writes in place, compaction in place.
+
+transformers' `DynamicCache` concatenates every layer's keys and values on every forward, so a
+decode step copies the whole prefix once per layer (O(context) per step). Here each layer owns
+one (B, H_kv, capacity, D) buffer sized for the whole generation up front. A forward writes its
+new entries at [length, length + n) and attends over a view of [0, length + n); a speculative
+step then keeps the accepted tree nodes by moving their few entries down to sit after the
+prefix, in the same buffer. Nothing else is copied and nothing is allocated per step.
+
+The cache is a `transformers.Cache` made of `PreallocatedLayer`s, so the base model (and the
+Hydra++ extra layer, which is a Llama decoder layer too) use it through their normal forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer
+
+
+class CacheFull(RuntimeError):
+    """A forward would write past the cache's capacity."""
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """One layer's keys and values in buffers allocated on first use."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = int(capacity)
+        self.length = 0  # entries in use, the last forward's included
+        self.key_buf: torch.Tensor | None = None  # (B, H_kv, capacity, D)
+        self.value_buf: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape
+        self.device = key_states.device
+        self.key_buf = key_states.new_zeros(B, H, self.capacity, D)
+        self.value_buf = value_states.new_zeros(B, H, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        end = self.length + n
+        if end > self.capacity:
+            raise CacheFull(
+                f"the KV cache holds {self.capacity} positions and this forward needs {end}: "
+                "size it for prompt + max_new_tokens + the tree's nodes"
+            )
+        self.key_buf[:, :, self.length : end].copy_(key_states)
+        self.value_buf[:, :, self.length : end].copy_(value_states)
+        self.length = end
+        self.keys = self.key_buf[:, :, :end]
+        self.values = self.value_buf[:, :, :end]
+        return self.keys, self.values
+
+    def keep(self, past: int, nodes: torch.Tensor) -> None:
+        """Keep [0, past) and the entries at past + nodes (ascending), moved to [past, past+m)."""
+        m = int(nodes.numel())
+        moved = not bool((nodes == torch.arange(m, device=nodes.device)).all())
+        if self.is_initialized and moved:
+            idx = nodes.to(self.device) + past
+            # index_select copies the m kept entries out first, so overlapping moves are safe
+            self.key_buf[:, :, past : past + m] = self.key_buf.index_select(2, idx)
+            self.value_buf[:, :, past : past + m] = self.value_buf.index_select(2, idx)
+        if self.is_initialized:
+            self.keys = self.key_buf[:, :, : past + m]
+            self.values = self.value_buf[:, :, : past + m]
+        self.length = past + m
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, max(int(length), 0))
+        if self.is_initialized:
+            self.keys = self.key_buf[:, :, : self.length]
+            self.values = self.value_buf[:, :, : self.length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class PreallocatedCache(Cache):
+    """A KV cache of `num_layers` pre-allocated layers holding up to `capacity` positions."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+        self.capacity = int(capacity)
+
+    def keep(self, past: int, nodes: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.keep(past, nodes)
+
+    def crop(self, max_length: int) -> None:
+        """As DynamicCache.crop: keep the first `max_length` positions, or drop the last
+        -max_length when it is negative."""
+        length = max_length if max_length >= 0 else self.get_seq_length() + max_length
+        for layer in self.layers:
+            layer.crop(length)
+
+
+def num_cache_layers(model) -> int:
+    """Decoder layers of a transformers causal LM (or of its inner model)."""
+    config = getattr(model, "config", None)
+    n = getattr(config, "num_hidden_layers", None)
+    if n is None:
+        raise ValueError(f"cannot tell how many layers {type(model).__name__} has")
+    return int(n)
+
+
+def keep_accepted(cache, past: int, nodes: torch.Tensor) -> None:
+    """Keep the prefix [0, past) and the accepted tree nodes `nodes` (ascending, root first)
+    in `cache`, moved to sit right after the prefix; the rejected nodes' entries are dropped.
+    No position is recomputed: each accepted node already attended to exactly its own path.
+    Works on a PreallocatedCache and transformers' StaticCache (in place) and on its
+    DynamicCache."""
+    if isinstance(cache, PreallocatedCache):
+        cache.keep(past, nodes)
+        return
+    n = int(nodes.numel())
+    moved = not bool((nodes == torch.arange(n, device=nodes.device)).all())
+    idx = nodes + past
+    if cache.layers and isinstance(cache.layers[0], StaticLayer):  # compiled decoding's cache
+        for layer in cache.layers:
+            if moved:
+                layer.keys[:, :, past : past + n] = layer.keys.index_select(2, idx)
+                layer.values[:, :, past : past + n] = layer.values.index_select(2, idx)
+            layer.cumulative_length.fill_(past + n)
+        return
+    for layer in cache.layers:
+        if moved:
+            layer.keys[:, :, past : past + n] = layer.keys[:, :, idx]
+            layer.values[:, :, past : past + n] = layer.values[:, :, idx]
+        layer.keys = layer.keys[:, :, : past + n]
+        layer.values = layer.values[:, :, : past + n]
