@@ -63,8 +63,24 @@ class AutoTree(CalibratedTree):
     min_speedup: Annotated[float, check(lambda v: v >= 1, "a ratio >= 1")]
 
 
+class DynamicTreeConfig(ConfigModel):
+    """Grown anew at each step from the heads' draft probabilities (EAGLE-2 style)."""
+
+    kind: Literal["dynamic"]
+    budget: Positive  # draft nodes per step
+    expand: Positive  # nodes expanded per depth (the most probable ones)
+    width: Positive  # children per expanded node
+    depth: Positive | None  # levels (null: as many as the heads)
+
+
 TreeConfig = Annotated[
-    PresetTree | BranchingTree | PathsTree | FileTree | CalibratedTree | AutoTree,
+    PresetTree
+    | BranchingTree
+    | PathsTree
+    | FileTree
+    | CalibratedTree
+    | AutoTree
+    | DynamicTreeConfig,
     Field(discriminator="kind"),
 ]
 
@@ -106,7 +122,12 @@ class EvalSettings(ConfigModel):
                 "greedy at temperature 0; typical or rejection at temperature > 0",
             )
         if self.check_lossless is None:
-            self.check_lossless = self.acceptance == "greedy" and self.compare_plain
+            # a bf16 / int8 base rounds a row differently with another number of rows beside
+            # it (kernel blocking, int8's per-call activation scale), so a near-tie can flip
+            # and its greedy output is compared (eval.json: identical_to_plain), not enforced
+            self.check_lossless = (
+                self.acceptance == "greedy" and self.compare_plain and self.base_quant == "none"
+            )
         if self.check_lossless and self.acceptance != "greedy":
             fail("check_lossless", True, "only greedy decoding is token-for-token comparable")
         if self.check_lossless and not self.compare_plain:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from evaluation.backend import compute_dtype
+from evaluation.dynamic import DynamicTree, grow_dynamic
 from evaluation.kvcache import PreallocatedCache, keep_accepted, num_cache_layers
 from evaluation.tree import Tree
 from evaluation.verify import (
@@ -166,34 +167,55 @@ class Decoder:
         # the prefill stays eager (its length varies). compile_s: time spent compiling.
         self.compiled = compile_body(model) if compile else None
         self.compiled_shapes: set[tuple[int, int]] = set()
+        self.static_caches: dict[int, object] = {}  # capacity bucket -> its StaticCache
         self.compile_s = 0.0
-        self.tree = None
+        self.tree: Tree | None = None
+        self.dynamic: DynamicTree | None = None
         if tree is not None:
             self.set_tree(tree)
 
-    def set_tree(self, tree: Tree) -> None:
+    def set_tree(self, tree: Tree | DynamicTree) -> None:
+        """A fixed tree, or a DynamicTree: the rule each step grows its own tree by."""
         if self.heads is None:
             raise ValueError("speculative decoding needs heads")
+        if isinstance(tree, DynamicTree):
+            tree.levels(self.heads.num_heads)  # fails clearly if deeper than the heads
+            self.dynamic, self.tree = tree, None
+            return
         tree.check_heads(self.heads.num_heads)
-        self.tree = tree
+        self.tree, self.dynamic = tree, None
         self.bias = tree_bias(tree, self.dtype, self.device)
         self.depth = tree.depth.to(self.device)
+
+    @property
+    def speculating(self) -> bool:
+        """Whether speculative() has drafts to verify (an empty fixed tree has none)."""
+        return self.dynamic is not None or (self.tree is not None and self.tree.num_nodes > 1)
+
+    def _tree_shape(self) -> tuple[int, int]:
+        """(tokens per verify pass, levels) at most."""
+        if self.dynamic is not None:
+            return self.dynamic.max_nodes, self.dynamic.levels(self.heads.num_heads)
+        if self.tree is not None:
+            return self.tree.num_nodes, self.tree.max_depth
+        return 1, 0
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
 
     # -- shared pieces ----------------------------------------------------------------------
     def _check_length(self, prompt_len: int, max_new: int) -> None:
-        extra = (self.tree.max_depth + 1) if self.tree is not None else 1
+        extra = self._tree_shape()[1] + 1
         if self.max_positions and prompt_len + max_new + extra > self.max_positions:
             raise ValueError(
                 f"prompt of {prompt_len} tokens + max_new_tokens={max_new} exceeds the base "
                 f"model's {self.max_positions} positions: shorten the prompt or max_new_tokens"
             )
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, tree: bool = False):
-        """The base over `ids` at `positions` (a prefill, a one-token step, or the tree when
-        `tree`), appending to `cache`: (final, heads' input) hidden states."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, bias=None):
+        """The base over `ids` at `positions` (a prefill, a one-token step, or a tree with its
+        (N, N) attention `bias`), appending to `cache`: (final, heads' input) hidden states."""
+        tree = bias is not None
         n = ids.numel()
         past = int(positions[0])  # a step's first token sits right after the cached ones
         if self.compiled is not None and (tree or n == 1):
@@ -202,7 +224,7 @@ class Decoder:
             mask = torch.full((1, 1, n, cap), torch.finfo(self.dtype).min, dtype=self.dtype,
                               device=self.device)  # fmt: skip
             mask[..., :past] = 0
-            mask[0, 0, :, past : past + n] = self.bias if tree else 0
+            mask[0, 0, :, past : past + n] = bias if tree else 0
             key, t = (n, cap), time.perf_counter()
             final, hid = base_forward(
                 self.model, ids[None], positions[None], cache, mask, self.offset, self.compiled
@@ -211,7 +233,7 @@ class Decoder:
                 self.compiled_shapes.add(key)
                 self.compile_s += time.perf_counter() - t
             return final, hid.float()
-        mask = tree_attention_mask(self.bias, past) if tree else None
+        mask = tree_attention_mask(bias, past) if tree else None
         final, hid = base_forward(self.model, ids[None], positions[None], cache, mask, self.offset)
         return final, hid.float()
 
@@ -219,13 +241,23 @@ class Decoder:
         """The base's KV cache and the heads' (Hydra++'s extra layer) for one generation."""
         if self.kv_cache == "dynamic":
             return new_cache(self.model), KVCache()
-        nodes = self.tree.num_nodes if self.tree is not None else 1
+        nodes = self._tree_shape()[0]
         need = prompt_len + max_new + nodes + 1
         if self.compiled is not None:  # capacity in buckets, so that few graphs compile
             from transformers import StaticCache
 
             bucket = -(-need // CAPACITY_BUCKET) * CAPACITY_BUCKET
-            base = StaticCache(config=self.model.config, max_cache_len=bucket)
+            # one cache per bucket for the decoder's life: a compiled graph holds on to the
+            # buffers it was compiled with (static addresses, frozen in), so a new cache
+            # would be one it never writes to. Stale entries past the prefix are masked out.
+            base = self.static_caches.get(bucket)
+            if base is None:
+                base = self.static_caches[bucket] = StaticCache(
+                    config=self.model.config, max_cache_len=bucket
+                )
+            for layer in base.layers:
+                if layer.is_initialized:
+                    layer.cumulative_length.zero_()
         else:
             base = new_cache(self.model, need)
         return base, PreallocatedCache(1, need)
@@ -295,7 +327,7 @@ class Decoder:
                 tokens[lv.nodes] = cand[0, lv.ranks]
         return tokens
 
-    def _accept(self, tokens: torch.Tensor, final: torch.Tensor):
+    def _accept(self, tree: Tree, tokens: torch.Tensor, final: torch.Tensor):
         s = self.sampling
         if final.shape[0] <= self.project_all:
             # one projection of every node reads the output weights once; walking the tree
@@ -311,11 +343,11 @@ class Decoder:
                 return self.model.lm_head(final[nodes])
 
         if s.acceptance == "greedy":
-            return accept_greedy(self.tree, tokens, logits)
+            return accept_greedy(tree, tokens, logits)
         if s.acceptance == "rejection":
-            return accept_rejection(self.tree, tokens, logits, s.temperature, self.generator)
+            return accept_rejection(tree, tokens, logits, s.temperature, self.generator)
         return accept_typical(
-            self.tree,
+            tree,
             tokens,
             logits,
             s.temperature,
@@ -341,13 +373,18 @@ class Decoder:
     def _step(self, st: _State, gen: Generation) -> list[int]:
         """One propose -> verify -> accept round; returns the tokens it emits."""
         t1 = time.perf_counter()
-        tokens = self.propose(st.ctx, st.root, st.length)
+        if self.dynamic is not None:  # this step's own tree
+            tree, tokens = grow_dynamic(self.dynamic, self.heads, self.embed, st.ctx, st.root)
+            bias, depth = tree_bias(tree, self.dtype, self.device), tree.depth.to(self.device)
+        else:
+            tree, bias, depth = self.tree, self.bias, self.depth
+            tokens = self.propose(st.ctx, st.root, st.length)
         t2 = time.perf_counter()
         c0 = self.compile_s
-        final, hid = self._forward(tokens, st.length + self.depth, st.cache, tree=True)
+        final, hid = self._forward(tokens, st.length + depth, st.cache, bias)
         t3 = time.perf_counter()
-        t2 += self.compile_s - c0  # compiling is reported apart, not as verify time
-        nodes, bonus = self._accept(tokens, final)
+        compiling = self.compile_s - c0  # reported apart, not as verify time
+        nodes, bonus = self._accept(tree, tokens, final)
         keep_accepted(st.cache, st.length, nodes)
         n = nodes.numel()
         pos = torch.arange(st.length, st.length + n, device=self.device)
@@ -359,15 +396,15 @@ class Decoder:
         new = [*tokens[nodes[1:]].tolist(), bonus]
         t4 = time.perf_counter()
         gen.propose_s += t2 - t1
-        gen.verify_s += t3 - t2
+        gen.verify_s += t3 - t2 - compiling
         gen.bookkeeping_s += t4 - t3
         return new
 
     @torch.no_grad()
     def speculative(self, prompt, max_new_tokens: int) -> Generation:
-        if self.tree is None:
+        if self.tree is None and self.dynamic is None:
             raise ValueError("speculative decoding needs a tree: call set_tree first")
-        if self.tree.num_nodes == 1:  # an empty tree: speculation off, plain decoding
+        if not self.speculating:  # an empty tree: speculation off, plain decoding
             gen = self.plain(prompt, max_new_tokens)
             gen.accepted = [0] * gen.steps
             gen.verify_s = gen.total_s - gen.prefill_s
@@ -391,7 +428,7 @@ class Decoder:
         """Wall time per base forward of a real decode of `new_tokens` after `prompt`: the
         speculative one with the current tree (propose, verify, accept, KV upkeep and all),
         or the plain one without a tree. The least disturbed of `reps` runs."""
-        fn = self.plain if self.tree is None or self.tree.num_nodes == 1 else self.speculative
+        fn = self.speculative if self.speculating else self.plain
         best = float("inf")
         for _ in range(reps):
             g = fn(prompt, new_tokens)

@@ -22,6 +22,7 @@ from evaluation.backend import quantize_base, use_gqa_attention
 from evaluation.calibrate import calibrate, choose_tree
 from evaluation.config import EvalConfig, EvalSettings, TreeConfig
 from evaluation.decode import Decoder, Generation, SamplingConfig, eos_ids
+from evaluation.dynamic import DynamicTree
 from evaluation.prompts import PromptItem, held_out_prompts, jsonl_prompts, prepared_rows
 from evaluation.suites import suite_path, suite_prompts
 from evaluation.tree import Tree, branching, grow, preset_paths
@@ -51,8 +52,13 @@ def base_config(cfg: EvalConfig, meta: dict) -> BaseConfig:
     return recorded_base(recorded)
 
 
-def fixed_tree(tc: TreeConfig, num_heads: int) -> Tree | None:
-    """The tree for the fixed kinds; None for calibrated / auto."""
+def fixed_tree(tc: TreeConfig, num_heads: int) -> Tree | DynamicTree | None:
+    """The tree for the fixed kinds (a DynamicTree rule for tree=dynamic); None for
+    calibrated / auto."""
+    if tc.kind == "dynamic":
+        spec = DynamicTree(tc.budget, tc.expand, tc.width, tc.depth)
+        spec.levels(num_heads)
+        return spec
     if tc.kind == "preset":
         return Tree.from_paths(preset_paths(tc.name, num_heads), num_heads)
     if tc.kind == "branching":
@@ -188,6 +194,7 @@ def calibrated_tree(
                 "expected_tau": round(o.expected_tau, 4),
                 "step_ms": round(o.step_s * 1e3, 2),
                 "expected_speedup": round(o.expected_speedup, 4),
+                "break_even_tau": round(o.step_s / options[0].step_s, 4),
             }
             for o in options
         ]
@@ -195,9 +202,12 @@ def calibrated_tree(
     return tree, info
 
 
-def use_tree(decoder: Decoder, tree: Tree, out: Path) -> dict[str, Any]:
+def use_tree(decoder: Decoder, tree: Tree | DynamicTree, out: Path) -> dict[str, Any]:
     """Set `tree` on `decoder`, save it as <out>/tree.json; returns its eval.json fields."""
     decoder.set_tree(tree)
+    if isinstance(tree, DynamicTree):  # no one tree to save: each step grows its own
+        depth = tree.levels(decoder.heads.num_heads)
+        return dict(asdict(tree), num_nodes=tree.budget, depth=depth)
     tree.save(out / "tree.json")
     return dict(
         paths=tree.to_json(), num_nodes=tree.num_nodes - 1, depth=tree.max_depth, file="tree.json"
@@ -252,13 +262,13 @@ def _decode_item(decoder: Decoder, idx: int, item: PromptItem, tok, ev: EvalSett
             fn = decoder.speculative if which == "spec" else decoder.plain
             runs[which] = fn(prompt, ev.max_new_tokens)
         spec, plain = runs["spec"], runs.get("plain")
-        rec = _record(item, turn, prompt, spec, plain, tok, ev.check_lossless)
+        rec = _record(item, turn, prompt, spec, plain, tok, ev)
         yield rec, spec, plain
         if item.tokens is None:
             msgs.append({"role": "assistant", "content": rec["output"]})
 
 
-def _record(item, turn, prompt, spec: Generation, plain: Generation | None, tok, check: bool):
+def _record(item, turn, prompt, spec: Generation, plain: Generation | None, tok, ev):
     rec = {
         "item": item.name,
         "category": item.category,
@@ -274,8 +284,12 @@ def _record(item, turn, prompt, spec: Generation, plain: Generation | None, tok,
     }
     if plain is not None:
         rec.update(plain_s=round(plain.total_s, 4), plain_new_tokens=len(plain.tokens))
-        if check:
-            rec["lossless"] = plain.tokens == spec.tokens
+        if ev.acceptance == "greedy":
+            rec["identical"] = plain.tokens == spec.tokens
+            if not rec["identical"]:
+                rec["first_diff"] = _first_diff(plain.tokens, spec.tokens)
+        if ev.check_lossless:
+            rec["lossless"] = rec["identical"]
     return rec
 
 
@@ -295,6 +309,11 @@ def acceptance_figures(accepted: list[int], depth: int) -> dict[str, Any]:
             reach[d] / reach[d - 1] if reach[d - 1] else None for d in range(1, depth + 1)
         ],
     }
+
+
+def _share(records: list[dict], key: str) -> float | None:
+    flags = [r[key] for r in records if key in r]
+    return sum(flags) / len(flags) if flags else None
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
@@ -327,8 +346,8 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
     setup_s = time.perf_counter() - t_setup
     records, spec, plain, mismatches = decode_prompts(decoder, items, base.tokenizer, ev, skips)
     result = {
-        **summarize(spec, plain, tree.max_depth),
-        "by_category": category_figures(records, spec, plain, tree.max_depth),
+        **summarize(spec, plain, tree_info["depth"]),
+        "by_category": category_figures(records, spec, plain, tree_info["depth"]),
         "heads": str(Path(cfg.heads).expanduser().resolve()),
         "arch": decoder.heads.arch,
         "num_heads": decoder.heads.num_heads,
@@ -351,6 +370,8 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
             "skipped": dict(skips.counts),
         },
         "lossless": (not mismatches) if ev.check_lossless else None,
+        # greedy: the share of generations token-for-token equal to plain decoding's
+        "identical_to_plain": _share(records, "identical"),
         "mismatches": mismatches,
         "setup_s": round(setup_s, 2),
         "hardware": {
@@ -402,6 +423,9 @@ def summarize(spec: list[Generation], plain: list[Generation], depth: int) -> di
             / max(sum(g.steps for g in plain), 1),
             speedup=res["spec_tokens_per_s"] / pt if pt else None,
         )
+        if fig["steps"]:  # speculation pays when tau beats a step's cost in plain steps
+            spec_step = sum(g.total_s - g.prefill_s for g in spec) / fig["steps"]
+            res["break_even_tau"] = 1e3 * spec_step / res["plain_step_ms"]
     return res
 
 

@@ -22,7 +22,9 @@ PLOTS = {
     "tau_by_run": "τ per run: measured in decoding vs the training-time estimate",
     "acceptance_by_depth": "Acceptance by depth (cumulative: share of steps that accept depth d)",
     "tau_by_category": "τ per prompt category (MT-Bench's categories, ...)",
-    "tau_vs_tree_size": "τ vs tree size (lines: expected from calibration; dots: measured)",
+    "tau_vs_tree_size": "τ vs tree size: dots measured, solid lines expected from calibration; "
+    "crosses and dashed lines: the break-even τ measured on the eval's machine (a tree pays "
+    "where its τ is above it)",
     "loss_curves": "Training loss",
     "tau_curves": "τ over training: held-out prompts decoded by the verifier (val/tau)",
     "accepted_histogram": "Accepted draft tokens per step",
@@ -190,7 +192,7 @@ def load_run(name: str, path: Path, train_hint: Path | None = None) -> dict[str,
         run.setdefault("base", (ev.get("base") or {}).get("name"))
         run["eval"] = {
             "dir": str(eval_dir),
-            **{k: _finite(ev.get(k)) for k in ("tau", "speedup")},
+            **{k: _finite(ev.get(k)) for k in ("tau", "speedup", "break_even_tau")},
             **{k: ev.get(k) for k in ("spec_tokens_per_s", "plain_tokens_per_s")},
             "acceptance_cumulative": ev.get("acceptance_cumulative") or [],
             "acceptance_conditional": ev.get("acceptance_conditional") or [],
@@ -308,19 +310,31 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
         ax.set(xlabel="τ (tokens per base forward)", xlim=(0, max(meas + est + [1.0]) * 1.15))
         legend = {"loc": "lower center", "bbox_to_anchor": (0.5, 1.0), "ncol": 2, "frameon": False}
         save(fig, ax, "tau_by_run", grid="x", **legend)
-    if any(r.get("eval", {}).get("auto") for r in runs):
+    sized = [r for r in runs if r.get("eval", {}).get("auto") or
+             r.get("eval", {}).get("break_even_tau") is not None]  # fmt: skip
+    if sized:
+        # where speculation pays: a tree pays when its tau (dots, solid) clears its
+        # break-even tau (crosses, dashed), the cost of its step in plain steps on this machine
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
-        for r in runs:
+        for r in sized:
             ev = r.get("eval", {})
             (line,) = ax.plot([], [])
-            pts = [(a["nodes"], a["expected_tau"]) for a in ev.get("auto") or []]
+            color, auto = line.get_color(), ev.get("auto") or []
+            pts = [(a["nodes"], a["expected_tau"]) for a in auto]
             if pts:
-                ax.plot(*zip(*pts, strict=True), color=line.get_color(), alpha=0.6, marker=".")
+                ax.plot(*zip(*pts, strict=True), color=color, alpha=0.6, marker=".")
+            even = [(a["nodes"], a["break_even_tau"]) for a in auto if "break_even_tau" in a]
+            if even:
+                ax.plot(*zip(*even, strict=True), color=color, alpha=0.6, ls="--", marker="x")
+            nodes = ev.get("tree_nodes") or 0
             if ev.get("tau") is not None:
                 ax.scatter(
-                    [ev.get("tree_nodes") or 0], [ev["tau"]], color=line.get_color(), s=60,
+                    [nodes], [ev["tau"]], color=color, s=60,
                     zorder=3, label=f"{r['name']} (τ {ev['tau']:.2f})",
                 )  # fmt: skip
+            if ev.get("break_even_tau") is not None:
+                ax.scatter([nodes], [ev["break_even_tau"]], color=color, marker="x", s=60,
+                           zorder=3)  # fmt: skip
         ax.set(xlabel="tree nodes", ylabel="τ (tokens per base forward)")
         save(fig, ax, "tau_vs_tree_size")
     cats = _categories(runs)

@@ -133,9 +133,31 @@ def test_eval_sampling_reports_without_lossless_check(tiny_heads, tmp_path):
     assert res["sampling"]["acceptance"] == "rejection" and res["lossless"] is None
 
 
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_eval_dynamic_tree_on_a_quantized_base_reports_its_backend(tiny_heads, tmp_path, quant):
+    """tree=dynamic with the static cache, on the float32 and the int8 base: lossless against
+    plain decoding of the same base is enforced for float32 and measured for int8."""
+    _, res = _eval(
+        tiny_heads,
+        tmp_path / "eval",
+        "tree=dynamic",
+        "tree.budget=10",
+        f"eval.base_quant={quant}",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=12",
+    )
+    assert res["tree"]["kind"] == "dynamic" and res["tree"]["num_nodes"] == 10
+    assert res["backend"]["base_quant"] == quant and res["backend"]["kv_cache"] == "static"
+    assert res["lossless"] is (True if quant == "none" else None)
+    assert 0.0 <= res["identical_to_plain"] <= 1.0
+    assert not (tmp_path / "eval" / "tree.json").exists()  # no one tree to save
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["eval.compile=true", "eval.base_quant=int8"], "dynamic int8 linears do not compile"),
+        (["tree=dynamic", "tree.depth=9"], "tree.depth=9 but the heads propose only"),
         (["heads=/nonexistent/heads"], "is not a heads checkpoint"),
         (["tree=paths", "tree.paths=[[0],[0,0,0]]"], "has no parent"),
         (["tree=mc_sim_7b_63", "base=smollm2_135m"], "were trained for a base"),

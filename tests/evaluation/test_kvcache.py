@@ -133,5 +133,9 @@ def test_compiled_decoding_is_lossless_and_reports_its_compile_time(tiny_base):
     assert spec.compile_s > 0 and dec.compile_s >= spec.compile_s
     again = dec.speculative(PROMPT, 24)  # nothing left to compile
     assert again.tokens == ref and again.compile_s == 0
+    # another prompt and length: the graphs write into the bucket's one cache, not a stale one
+    longer = list(range(5, 35))
+    ref = Decoder(tiny_base.model, set(), heads).plain(longer, 150).tokens
+    assert dec.speculative(longer, 150).tokens == ref
     with pytest.raises(ValueError, match="compile=True needs kv_cache='static'"):
         Decoder(tiny_base.model, set(), heads, kv_cache="dynamic", compile=True)

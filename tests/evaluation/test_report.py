@@ -51,7 +51,9 @@ def make_run(
         "heads": str(d / "train" / "heads"), "arch": arch, "num_heads": K,
         "base": {"name": "tiny_random"}, "lossless": True, "prompts": {"items": 2},
         "tree": {"kind": "calibrated", "num_nodes": 8, "expected_tau": tau + 0.1,
-                 "auto": [{"nodes": n, "expected_tau": 1 + n * 0.1} for n in (0, 4, 8)]},
+                 "auto": [{"nodes": n, "expected_tau": 1 + n * 0.1, "break_even_tau": 1 + n / 20}
+                          for n in (0, 4, 8)]},
+        "break_even_tau": tau / speedup,
         "hardware": {"device": "cpu", "threads": 2},
         "by_category": {"writing": {"tau": tau + 0.2, "speedup": speedup},
                         "coding": {"tau": tau - 0.2, "speedup": None}},
@@ -90,6 +92,7 @@ def test_report_figures_order_and_diff(two_runs, tmp_path):
     assert {"tau_vs_tree_size.png", "loss_curves.png", "accepted_histogram.png"} <= names
     assert {"tau_by_run.png", "tau_by_category.png", "tau_curves.png"} <= names
     assert fast["train"]["curves"]["val/tau"] == [[0, 1.0], [3, 1.3]]
+    assert fast["eval"]["break_even_tau"] == pytest.approx(1.9 / 1.1)  # drawn beside its tau
     md = (tmp_path / "r" / "report.md").read_text()
     assert "| 1 | fast | hydra_pp | 2 | 1.900 | 1.10x | 1.500 | 0.400 |" in md
     assert "![loss_curves](loss_curves.png)" in md and "| optim.lr |" in md

@@ -1,0 +1,72 @@
+"""Dynamic trees (tree=dynamic): always a valid tree within the budget, grown toward the
+heads' most probable paths, and lossless under greedy decoding (rejection sampling on them:
+tests/evaluation/test_decode.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evaluation.decode import Decoder
+from evaluation.dynamic import DynamicTree, grow_dynamic
+from evaluation.tree import Tree, TreeError
+from tests.helpers import make_heads
+
+
+@pytest.mark.parametrize("arch", ["medusa", "hydra", "hydra_pp"])
+@pytest.mark.parametrize("draft", [None, 64])
+def test_dynamic_tree_is_a_tree_of_the_most_probable_paths(tiny_base, arch, draft):
+    heads = make_heads(tiny_base.model, arch, 4, 0.3, draft)
+    embed = tiny_base.model.get_input_embeddings()
+    spec = DynamicTree(budget=12, expand=3, width=4)
+    ctx = heads.context(torch.randn(1, 5, 64))[0, -1]
+    tree, tokens = grow_dynamic(spec, heads, embed, ctx, root=7)
+    assert tree.num_nodes == 13 and tokens.shape == (13,) and int(tokens[0]) == 7
+    assert tree.max_depth <= heads.num_heads
+    assert Tree.from_paths(tree.to_json()).paths == tree.paths  # closed: every parent kept
+
+    # the kept nodes' cumulative probabilities beat every dropped candidate's
+    def logp(path):
+        toks, total = [7], 0.0
+        for d, r in enumerate(path):
+            p = torch.tensor([toks], dtype=torch.long)
+            state = heads.head_input(d, ctx[None], embed(p) if heads.uses_path else None)
+            lp = torch.log_softmax(heads.logits(d, state).float(), -1)[0]
+            top = lp.topk(r + 1)
+            total += float(top.values[r].detach())
+            idx = top.indices[r]
+            toks.append(int(idx if heads.draft is None else heads.draft.to_full[idx]))
+        return total, toks[-1]
+
+    kept = {p: logp(p) for p in tree.paths}
+    for i, p in enumerate(tree.paths, start=1):
+        assert kept[p][1] == int(tokens[i])  # each node's token is its rank's candidate
+    worst_kept = min(v for v, _ in kept.values())
+    for p in tree.paths:  # siblings are kept best rank first
+        assert p[-1] == 0 or (*p[:-1], p[-1] - 1) in kept
+    # the root is always expanded: a root child left out is no more probable than any kept node
+    dropped = [logp((r,))[0] for r in range(spec.width) if (r,) not in kept]
+    assert all(v <= worst_kept + 1e-5 for v in dropped)
+    # and the tree follows the probabilities: a deeper tree than the budget's best chain
+    assert tree.max_depth >= 2
+
+
+@pytest.mark.parametrize("arch", ["medusa", "hydra", "hydra_pp"])
+def test_greedy_with_dynamic_trees_equals_plain_greedy(tiny_base, arch):
+    heads = make_heads(tiny_base.model, arch, 5, 0.05)
+    for prompt in ("hello there, how are you?", "count: 1 2 3 4"):
+        ids = tiny_base.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ref = Decoder(tiny_base.model, set(), heads).plain(ids, 40).tokens
+        for spec in (DynamicTree(8, 2, 3), DynamicTree(24, 4, 4, depth=3)):
+            dec = Decoder(tiny_base.model, set(), heads, spec)
+            gen = dec.speculative(ids, 40)
+            assert gen.tokens == ref
+            assert gen.steps == len(gen.accepted)
+
+
+def test_bad_dynamic_trees_fail_clearly(tiny_base):
+    with pytest.raises(TreeError, match="tree.budget=0 is invalid"):
+        DynamicTree(budget=0, expand=2, width=2)
+    heads = make_heads(tiny_base.model, "hydra", 0, 0.0)
+    with pytest.raises(TreeError, match="tree.depth=6 but the heads propose only 4"):
+        Decoder(tiny_base.model, set(), heads, DynamicTree(8, 2, 2, depth=6))
