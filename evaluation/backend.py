@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import torch
@@ -106,10 +105,3 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
         if p.dtype.is_floating_point:
             return p.dtype
     return torch.float32
-
-
-def timed(fn, *args, **kwargs):
-    """(result, seconds)."""
-    t = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t
