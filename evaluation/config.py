@@ -132,6 +132,13 @@ class EvalSettings(ConfigModel):
             fail("check_lossless", True, "only greedy decoding is token-for-token comparable")
         if self.check_lossless and not self.compare_plain:
             fail("check_lossless", True, "it needs compare_plain=true")
+        if self.compile and self.base_quant == "int8":
+            fail(
+                "compile",
+                True,
+                "torch's dynamic int8 linears do not compile: use eval.base_quant=bf16 or none "
+                "with compile, or eval.compile=false with int8",
+            )
         return self
 
     def _suite_rules(self) -> None:

@@ -70,7 +70,6 @@ def grow_dynamic(
     tokens: list[int] = []
     logp: list[float] = []
     frontier = [((), [root], 0.0)]  # (rank path, token path root first, log cum prob)
-    medusa_logp = None
     for d in range(D):
         frontier.sort(key=lambda f: -f[2])
         grow = frontier[: spec.expand]
@@ -79,10 +78,8 @@ def grow_dynamic(
             state = heads.head_input(d, ctx.expand(len(grow), -1), embed(path))
             lp = F.log_softmax(heads.logits(d, state).float(), dim=-1)  # (P, V_out)
         else:  # Medusa: one distribution per depth, whatever the parent
-            if medusa_logp is None or medusa_logp[0] != d:
-                state = heads.head_input(d, ctx[None], None)
-                medusa_logp = (d, F.log_softmax(heads.logits(d, state).float(), dim=-1))
-            lp = medusa_logp[1].expand(len(grow), -1)
+            state = heads.head_input(d, ctx[None], None)
+            lp = F.log_softmax(heads.logits(d, state).float(), dim=-1).expand(len(grow), -1)
         top = lp.topk(min(spec.width, lp.shape[-1]), dim=-1)
         ids = top.indices if heads.draft is None else heads.draft.to_full[top.indices]
         vals, ids = top.values.tolist(), ids.tolist()

@@ -87,11 +87,6 @@ def setup(cfg: EvalConfig) -> tuple[FrozenBase, Decoder, Tree | None, dict]:
     )
     offset = int(meta.get("hidden_state_offset") or 0)
     eos = eos_ids(base.tokenizer, base.model)
-    if ev.compile and ev.base_quant == "int8":
-        raise ConfigError(
-            "eval.compile=true with eval.base_quant=int8: torch's dynamic int8 linears do not "
-            "compile; use eval.base_quant=bf16 or none with compile, or compile=false with int8"
-        )
     decoder = Decoder(base.model, eos, heads, None, sampling, offset, ev.kv_cache, ev.compile)
     return base, decoder, tree, meta
 

@@ -58,16 +58,14 @@ class PreallocatedLayer(CacheLayerMixin):
         self.values = self.value_buf[:, :, :end]
         return self.keys, self.values
 
-    def keep(self, past: int, nodes: torch.Tensor) -> None:
-        """Keep [0, past) and the entries at past + nodes (ascending), moved to [past, past+m)."""
-        m = int(nodes.numel())
-        moved = not bool((nodes == torch.arange(m, device=nodes.device)).all())
-        if self.is_initialized and moved:
-            idx = nodes.to(self.device) + past
-            # index_select copies the m kept entries out first, so overlapping moves are safe
-            self.key_buf[:, :, past : past + m] = self.key_buf.index_select(2, idx)
-            self.value_buf[:, :, past : past + m] = self.value_buf.index_select(2, idx)
+    def keep(self, past: int, m: int, idx: torch.Tensor | None) -> None:
+        """Keep [0, past) and the m entries at positions `idx` (ascending; None: already at
+        [past, past + m)), moved to [past, past + m)."""
         if self.is_initialized:
+            if idx is not None:
+                # index_select copies the kept entries out first: overlapping moves are safe
+                self.key_buf[:, :, past : past + m] = self.key_buf.index_select(2, idx)
+                self.value_buf[:, :, past : past + m] = self.value_buf.index_select(2, idx)
             self.keys = self.key_buf[:, :, : past + m]
             self.values = self.value_buf[:, :, : past + m]
         self.length = past + m
@@ -98,10 +96,6 @@ class PreallocatedCache(Cache):
         super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
         self.capacity = int(capacity)
 
-    def keep(self, past: int, nodes: torch.Tensor) -> None:
-        for layer in self.layers:
-            layer.keep(past, nodes)
-
     def crop(self, max_length: int) -> None:
         """As DynamicCache.crop: keep the first `max_length` positions, or drop the last
         -max_length when it is negative."""
@@ -125,22 +119,20 @@ def keep_accepted(cache, past: int, nodes: torch.Tensor) -> None:
     No position is recomputed: each accepted node already attended to exactly its own path.
     Works on a PreallocatedCache and transformers' StaticCache (in place) and on its
     DynamicCache."""
-    if isinstance(cache, PreallocatedCache):
-        cache.keep(past, nodes)
-        return
     n = int(nodes.numel())
     moved = not bool((nodes == torch.arange(n, device=nodes.device)).all())
-    idx = nodes + past
-    if cache.layers and isinstance(cache.layers[0], StaticLayer):  # compiled decoding's cache
-        for layer in cache.layers:
-            if moved:
+    idx = nodes + past if moved else None  # once for every layer
+    for layer in cache.layers:
+        if isinstance(layer, PreallocatedLayer):
+            layer.keep(past, n, idx)
+        elif isinstance(layer, StaticLayer):  # compiled decoding's cache: buffers in place
+            if idx is not None:
                 layer.keys[:, :, past : past + n] = layer.keys.index_select(2, idx)
                 layer.values[:, :, past : past + n] = layer.values.index_select(2, idx)
             layer.cumulative_length.fill_(past + n)
-        return
-    for layer in cache.layers:
-        if moved:
-            layer.keys[:, :, past : past + n] = layer.keys[:, :, idx]
-            layer.values[:, :, past : past + n] = layer.values[:, :, idx]
-        layer.keys = layer.keys[:, :, : past + n]
-        layer.values = layer.values[:, :, : past + n]
+        else:  # DynamicCache
+            if idx is not None:
+                layer.keys[:, :, past : past + n] = layer.keys[:, :, idx]
+                layer.values[:, :, past : past + n] = layer.values[:, :, idx]
+            layer.keys = layer.keys[:, :, : past + n]
+            layer.values = layer.values[:, :, : past + n]
