@@ -136,16 +136,18 @@ def choose_tree(
     reps: int = 2,
     min_speedup: float = 1.05,
     new_tokens: int = 16,
+    batch: int = 1,
 ) -> tuple[TreeChoice, list[TreeChoice]]:
     """`tree=auto`: for calibrated trees of growing size, expected speedup = expected tau x plain
     step time / speculative step time, both measured on this machine by decoding `new_tokens` after
     `prompt` (all fixed costs included). Returns the best and all candidates. The empty tree (no
     speculation: speedup 1 by definition) wins unless a tree is expected to beat it by
-    `min_speedup`, a margin for timing noise, so the choice does not slow decoding down."""
+    `min_speedup`, a margin for timing noise, so the choice does not slow decoding down.
+    `batch`: time batches of that many rows (eval.batch_size), whose steps cost more."""
     empty = Tree.from_paths([])
     decoder.set_tree(empty)
-    decoder.decode_step_seconds(prompt, 4, 1)  # warm-up
-    plain_s = decoder.decode_step_seconds(prompt, new_tokens, reps)
+    decoder.decode_step_seconds(prompt, 4, 1, batch)  # warm-up
+    plain_s = decoder.decode_step_seconds(prompt, new_tokens, reps, batch)
     options = [TreeChoice(empty, 1.0, plain_s, 1.0)]
     seen = set()
     for n in candidate_sizes(budget):
@@ -156,7 +158,7 @@ def choose_tree(
         seen.add(key)
         tree = Tree.from_paths(paths)
         decoder.set_tree(tree)
-        step = decoder.decode_step_seconds(prompt, new_tokens, reps)
+        step = decoder.decode_step_seconds(prompt, new_tokens, reps, batch)
         tau = expected_length(paths, calib.acc)
         options.append(TreeChoice(tree, tau, step, tau * plain_s / step))
     best = max(options, key=lambda o: o.expected_speedup)

@@ -1,4 +1,5 @@
-"""Decoding loops: plain one-token-per-forward decoding and tree speculative decoding (batch 1).
+"""Decoding loops: plain one-token-per-forward decoding and tree speculative decoding (batch 1;
+evaluation/batched.py decodes batches).
 
 Both keep the base model's KV cache across steps. A speculative step: the heads propose the tree
 from the context of the last accepted token (level by level; Hydra heads read the embeddings of
@@ -431,11 +432,26 @@ class Decoder:
         return gen
 
     @torch.no_grad()
-    def decode_step_seconds(self, prompt, new_tokens: int = 16, reps: int = 2) -> float:
+    def decode_step_seconds(
+        self, prompt, new_tokens: int = 16, reps: int = 2, batch: int = 1
+    ) -> float:
         """Wall time per base forward of a real decode of `new_tokens` after `prompt`: the
         speculative one with the current tree (propose, verify, accept, KV upkeep and all),
-        or the plain one without a tree. The least disturbed of `reps` runs."""
-        fn = self.speculative if self.speculating else self.plain
+        or the plain one without a tree; with `batch` > 1, of a batch of that many copies of
+        the prompt (batched decoding). The least disturbed of `reps` runs."""
+        if batch > 1:
+            from evaluation.batched import plain_batch, speculative_batch
+
+            many = speculative_batch if self.speculating else plain_batch
+
+            def fn(p, n):  # one Generation holding the batch's totals
+                gens = many(self, [p] * batch, n)
+                g = Generation([], "length", steps=max(x.steps for x in gens))
+                g.total_s = sum(x.total_s for x in gens)
+                g.prefill_s = sum(x.prefill_s for x in gens)
+                return g
+        else:
+            fn = self.speculative if self.speculating else self.plain
         best = float("inf")
         for _ in range(reps):
             g = fn(prompt, new_tokens)

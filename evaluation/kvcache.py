@@ -136,3 +136,74 @@ def keep_accepted(cache, past: int, nodes: torch.Tensor) -> None:
                 layer.values[:, :, past : past + n] = layer.values[:, :, idx]
             layer.keys = layer.keys[:, :, : past + n]
             layer.values = layer.values[:, :, : past + n]
+
+
+# -- batched decoding: rows with their own lengths in one buffer --------------------------------
+# Every forward of a batch writes its n new entries at the same slots [start, start + n) of
+# every row: start is the longest row's length. A row that holds fewer positions has a hole of
+# stale slots between its length and `start`, which the batch's attention mask hides from it.
+# After a verify pass each row keeps its own accepted nodes, moved down to follow its own
+# prefix; then the next write starts at the new longest length.
+def _layer_tensors(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (B, H, S, D) tensors a layer's entries live in, or None before its first write."""
+    if isinstance(layer, PreallocatedLayer):
+        return (layer.key_buf, layer.value_buf) if layer.is_initialized else None
+    keys = getattr(layer, "keys", None)
+    return (
+        None if keys is None or not getattr(layer, "is_initialized", True) else (keys, layer.values)
+    )
+
+
+def _set_length(layer, length: int) -> None:
+    if isinstance(layer, PreallocatedLayer):
+        layer.crop(length)  # a forward wrote past it: length <= the layer's
+    elif isinstance(layer, StaticLayer):
+        layer.cumulative_length.fill_(length)
+    elif getattr(layer, "keys", None) is not None:  # DynamicCache
+        layer.keys = layer.keys[:, :, :length]
+        layer.values = layer.values[:, :, :length]
+
+
+def keep_rows(cache, lengths: torch.Tensor, start: int, nodes: list[torch.Tensor]) -> int:
+    """Batched keep_accepted. Row b holds [0, lengths[b]) and wrote its tree at [start,
+    start + N); it keeps its accepted nodes `nodes[b]` (ascending, root first), moved to
+    [lengths[b], lengths[b] + n_b). Returns the new write position, max_b(lengths + n_b).
+    Each row's few entries move in one gather / scatter per tensor."""
+    B = len(nodes)
+    n = torch.tensor([int(x.numel()) for x in nodes], device=lengths.device)
+    m = int(n.max())
+    ar = torch.arange(m, device=lengths.device)
+    # shorter rows repeat their last node into their last slot: same value, same place
+    col = torch.minimum(ar[None], (n - 1)[:, None])  # (B, m)
+    padded = torch.stack([x.to(lengths.device)[col[b]] for b, x in enumerate(nodes)])
+    src = start + padded
+    dst = lengths[:, None] + col
+    new_start = int((lengths + n).max())
+    if not torch.equal(src, dst):
+        for layer in cache.layers:
+            tensors = _layer_tensors(layer)
+            if tensors is None:
+                continue
+            for t in tensors:
+                H, D = t.shape[1], t.shape[3]
+                s_idx = src[:, None, :, None].expand(B, H, m, D).to(t.device)
+                d_idx = dst[:, None, :, None].expand(B, H, m, D).to(t.device)
+                t.scatter_(2, d_idx, t.gather(2, s_idx))  # gather copies first: overlap is safe
+    for layer in cache.layers:
+        _set_length(layer, new_start)
+    return new_start
+
+
+def select_rows(cache, rows: torch.Tensor, length: int) -> None:
+    """Keep only batch rows `rows` (finished rows leave the batch), holding `length` slots."""
+    for layer in cache.layers:
+        tensors = _layer_tensors(layer)
+        if tensors is None:
+            continue
+        k, v = (t.index_select(0, rows.to(t.device)) for t in tensors)
+        if isinstance(layer, PreallocatedLayer):
+            layer.key_buf, layer.value_buf = k, v
+            layer.length = length
+            layer.keys, layer.values = k[:, :, :length], v[:, :, :length]
+        else:
+            layer.keys, layer.values = k[:, :, :length], v[:, :, :length]

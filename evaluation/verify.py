@@ -72,6 +72,24 @@ def base_forward(
     `hidden_state_offset`-th layer from the end when the heads were trained on that.
     `body`: what runs in place of `model.model` (its compiled version).
     """
+    final, ctx = base_forward_rows(
+        model, input_ids, positions, cache, mask, hidden_state_offset, body
+    )
+    return final[0], ctx[0]
+
+
+@torch.no_grad()
+def base_forward_rows(
+    model,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    cache,
+    mask: torch.Tensor | None = None,
+    hidden_state_offset: int = 0,
+    body=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """base_forward for a batch: input_ids and positions (B, n), mask (B, 1, n, cached + n);
+    returns (B, n, H) final and heads' hidden states."""
     out = (body if body is not None else model.model)(
         input_ids=input_ids,
         attention_mask=mask,
@@ -80,8 +98,8 @@ def base_forward(
         output_hidden_states=hidden_state_offset > 0,
         **{cache_kwarg(type(model.model)): cache},
     )
-    final = out.last_hidden_state[0]  # (n, H)
-    ctx = final if hidden_state_offset == 0 else out.hidden_states[-1 - hidden_state_offset][0]
+    final = out.last_hidden_state
+    ctx = final if hidden_state_offset == 0 else out.hidden_states[-1 - hidden_state_offset]
     return final, ctx
 
 

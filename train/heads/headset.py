@@ -81,8 +81,9 @@ class HeadSet(nn.Module):
         return self.draft.size if self.draft is not None else self.vocab_size
 
     # -- what subclasses define -------------------------------------------------------------
-    def context(self, hidden: torch.Tensor, cache=None, positions=None) -> torch.Tensor:
-        """(B, T, H) base hidden states -> (B, T, H) head context. Causal in T."""
+    def context(self, hidden: torch.Tensor, cache=None, positions=None, mask=None) -> torch.Tensor:
+        """(B, T, H) base hidden states -> (B, T, H) head context. Causal in T. cache,
+        positions and mask are for heads with a context layer of their own (Hydra++)."""
         return hidden
 
     def head_input(self, k: int, ctx: torch.Tensor, path: torch.Tensor | None) -> torch.Tensor:

@@ -69,16 +69,22 @@ class PrefixLayer(nn.Module):
             nn.init.zeros_(mlp.down_proj.weight)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x: (B, T, H) new positions; with a cache they follow the cached ones."""
+        """x: (B, T, H) new positions; with a cache they follow the cached ones. positions:
+        (T,) or per row (B, T). mask: an explicit (B, 1, T, cached + T) additive mask (batched
+        decoding, where rows hold different numbers of cached positions)."""
         B, T, _ = x.shape
         past = cache.get_seq_length() if cache is not None else 0
         if positions is None:
             positions = torch.arange(past, past + T, device=x.device)
-        pos = positions[None].expand(B, -1)
-        mask = None  # causal over x alone (sdpa's is_causal) when nothing is cached
-        if past:  # the new queries see every cached position and the new ones up to themselves
+        pos = positions if positions.dim() == 2 else positions[None].expand(B, -1)
+        if mask is None and past:
+            # the new queries see every cached position and the new ones up to themselves
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
             mask = mask[None, None].expand(B, 1, T, past + T)
         h = self.layers[0](
@@ -112,5 +118,6 @@ class HydraPPHeads(HydraHeads):
         hidden: torch.Tensor,
         cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.prefix(hidden, positions=positions, cache=cache)
+        return self.prefix(hidden, positions=positions, cache=cache, mask=mask)
