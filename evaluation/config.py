@@ -73,6 +73,25 @@ class DynamicTreeConfig(ConfigModel):
     depth: Positive | None  # levels (null: as many as the heads)
 
 
+class TreeShape(ConfigModel):
+    """A dynamic tree's shape (tree=temperature's cold and hot ends)."""
+
+    expand: Positive
+    width: Positive
+    depth: Positive | None  # null: as deep as the heads
+
+
+class TemperatureTree(ConfigModel):
+    """A dynamic tree whose shape follows the sampling temperature: `cold` at 0 (deep and
+    narrow), `hot` at `hot_at` and above (broad and shallow), interpolated in between."""
+
+    kind: Literal["temperature"]
+    budget: Positive
+    cold: TreeShape
+    hot: TreeShape
+    hot_at: Annotated[float, check(lambda v: v > 0, "a temperature > 0")]
+
+
 TreeConfig = Annotated[
     PresetTree
     | BranchingTree
@@ -80,7 +99,8 @@ TreeConfig = Annotated[
     | FileTree
     | CalibratedTree
     | AutoTree
-    | DynamicTreeConfig,
+    | DynamicTreeConfig
+    | TemperatureTree,
     Field(discriminator="kind"),
 ]
 
@@ -108,6 +128,7 @@ class EvalSettings(ConfigModel):
     kv_cache: Literal["static", "dynamic"]  # pre-allocated and compacted in place | concatenating
     base_quant: Literal["none", "bf16", "int8"]  # the base's weights; the heads stay float32
     compile: bool  # torch.compile the base's decode and verify forwards
+    batch_size: Positive  # prompts decoded at once (per-row acceptance and KV compaction)
     progress: bool
 
     @model_validator(mode="after")
@@ -138,6 +159,13 @@ class EvalSettings(ConfigModel):
                 True,
                 "torch's dynamic int8 linears do not compile: use eval.base_quant=bf16 or none "
                 "with compile, or eval.compile=false with int8",
+            )
+        if self.compile and self.batch_size > 1:
+            fail(
+                "compile",
+                True,
+                "compiled decoding is batch 1 (its graphs and static cache have one row): use "
+                "eval.batch_size=1 with compile, or eval.compile=false with batch_size > 1",
             )
         return self
 

@@ -97,3 +97,36 @@ def grow_dynamic(
     tree = Tree.from_paths(list(kept))
     node_tokens = [root] + [kept[p] for p in tree.paths]
     return tree, torch.tensor(node_tokens, dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A dynamic tree's shape: nodes expanded per depth, children each, levels (None: all)."""
+
+    expand: int
+    width: int
+    depth: int | None = None
+
+
+def by_temperature(
+    temperature: float, budget: int, cold: Shape, hot: Shape, hot_at: float, num_heads: int
+) -> DynamicTree:
+    """`tree=temperature`: the dynamic tree for a sampling temperature. Greedy decoding accepts
+    a draft only if it is the base's argmax, and the heads' top-1 is right often enough that
+    deep, narrow trees pay (the `cold` shape, at temperature 0). Sampling at a high
+    temperature spreads the base's distribution: a sampled token is less often the heads'
+    top-1, so deep paths rarely survive and more siblings per level catch more of the mass
+    (the `hot` shape, at temperature >= `hot_at`). In between, expand, width and depth are
+    interpolated linearly and rounded; the node budget stays."""
+    f = min(max(temperature / hot_at, 0.0), 1.0) if hot_at > 0 else 1.0
+    depth = [s.depth or num_heads for s in (cold, hot)]
+
+    def mix(a: int, b: int) -> int:
+        return max(1, round(a + f * (b - a)))
+
+    return DynamicTree(
+        budget,
+        mix(cold.expand, hot.expand),
+        mix(cold.width, hot.width),
+        min(mix(*depth), num_heads),
+    )

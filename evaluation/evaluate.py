@@ -19,13 +19,14 @@ import torch
 
 from data_prep.readers import DataError, SkipLog
 from evaluation.backend import quantize_base, use_gqa_attention
+from evaluation.batched import plain_batch, speculative_batch
 from evaluation.calibrate import calibrate, choose_tree
 from evaluation.config import EvalConfig, EvalSettings, TreeConfig
 from evaluation.decode import Decoder, Generation, SamplingConfig, eos_ids
-from evaluation.dynamic import DynamicTree
+from evaluation.dynamic import DynamicTree, Shape, by_temperature
 from evaluation.prompts import PromptItem, held_out_prompts, jsonl_prompts, prepared_rows
 from evaluation.suites import suite_path, suite_prompts
-from evaluation.tree import Tree, branching, grow, preset_paths
+from evaluation.tree import Tree, TreeError, branching, grow, preset_paths
 from train.core.atomic import write_json, write_text
 from train.core.base import BaseConfig, FrozenBase, load_base, recorded_base
 from train.core.checkpoint import read_meta
@@ -52,11 +53,23 @@ def base_config(cfg: EvalConfig, meta: dict) -> BaseConfig:
     return recorded_base(recorded)
 
 
-def fixed_tree(tc: TreeConfig, num_heads: int) -> Tree | DynamicTree | None:
-    """The tree for the fixed kinds (a DynamicTree rule for tree=dynamic); None for
-    calibrated / auto."""
-    if tc.kind == "dynamic":
-        spec = DynamicTree(tc.budget, tc.expand, tc.width, tc.depth)
+def fixed_tree(
+    tc: TreeConfig, num_heads: int, temperature: float = 0.0
+) -> Tree | DynamicTree | None:
+    """The tree for the fixed kinds (a DynamicTree rule for tree=dynamic, and for
+    tree=temperature the one for `temperature`); None for calibrated / auto."""
+    if tc.kind in ("dynamic", "temperature"):
+        if tc.kind == "dynamic":
+            spec = DynamicTree(tc.budget, tc.expand, tc.width, tc.depth)
+        else:
+            cold, hot = (Shape(**s.model_dump()) for s in (tc.cold, tc.hot))
+            for name, s in (("cold", cold), ("hot", hot)):
+                if s.depth is not None and s.depth > num_heads:
+                    raise TreeError(
+                        f"tree.{name}.depth={s.depth} but the heads propose only {num_heads} "
+                        f"tokens: use tree.{name}.depth <= {num_heads} or null"
+                    )
+            spec = by_temperature(temperature, tc.budget, cold, hot, tc.hot_at, num_heads)
         spec.levels(num_heads)
         return spec
     if tc.kind == "preset":
@@ -81,7 +94,7 @@ def setup(cfg: EvalConfig) -> tuple[FrozenBase, Decoder, Tree | None, dict]:
     base.model = quantize_base(base.model, ev.base_quant)
     use_gqa_attention(base.model)
     use_gqa_attention(heads)
-    tree = fixed_tree(cfg.tree, heads.num_heads)
+    tree = fixed_tree(cfg.tree, heads.num_heads, ev.temperature)
     sampling = SamplingConfig(
         ev.temperature, ev.acceptance, ev.seed, ev.posterior_threshold, ev.posterior_alpha
     )
@@ -167,7 +180,12 @@ def calibration_rows(ds, start: int, cfg: TreeConfig):
 
 
 def calibrated_tree(
-    tc: TreeConfig, decoder: Decoder, rows: Iterator, items: list[PromptItem], tokenizer
+    tc: TreeConfig,
+    decoder: Decoder,
+    rows: Iterator,
+    items: list[PromptItem],
+    tokenizer,
+    batch: int = 1,
 ) -> tuple[Tree, dict[str, Any]]:
     """Measure the heads on held-out `rows`, then grow a tree (tree=calibrated) or pick one by
     timing candidates on the longest of `items` (tree=auto). Returns it and its eval.json info."""
@@ -181,7 +199,9 @@ def calibrated_tree(
         # grow with the context faster than a plain step does, so a short prompt would
         # promise a speedup that longer prompts do not deliver.
         longest = max((_first_prompt(tokenizer, it) for it in items), key=len)
-        best, options = choose_tree(decoder, calib, longest, tc.budget, min_speedup=tc.min_speedup)
+        best, options = choose_tree(
+            decoder, calib, longest, tc.budget, min_speedup=tc.min_speedup, batch=batch
+        )
         tree = best.tree
         info["auto"] = [
             {
@@ -213,21 +233,28 @@ def use_tree(decoder: Decoder, tree: Tree | DynamicTree, out: Path) -> dict[str,
 def decode_prompts(
     decoder: Decoder, items: list[PromptItem], tokenizer, ev: EvalSettings, skips: SkipLog
 ) -> tuple[list[dict], list[Generation], list[Generation], list[dict]]:
-    """Decode every turn of `items` speculatively (and plainly if eval.compare_plain). Returns
-    (eval.json records, speculative and plain generations, lossless mismatches)."""
+    """Decode every turn of `items` speculatively (and plainly if eval.compare_plain), one
+    prompt at a time or eval.batch_size at once. Returns (eval.json records, speculative and
+    plain generations, lossless mismatches)."""
     decoder.plain(_first_prompt(tokenizer, items[0]), 4)  # warm-up: first calls allocate
     records, spec_all, plain_all, mismatches = [], [], [], []
     bar = _progress(len(items), ev.progress)
-    for idx, item in enumerate(items):
-        for rec, spec, plain in _decode_item(decoder, idx, item, tokenizer, ev, skips):
+    B = ev.batch_size
+    for first in range(0, len(items), B):
+        group = items[first : first + B]
+        if B == 1:
+            results = _decode_item(decoder, first, group[0], tokenizer, ev, skips)
+        else:
+            results = _decode_batch(decoder, first, group, tokenizer, ev, skips)
+        for rec, spec, plain in results:
             records.append(rec)
             spec_all.append(spec)
             if plain is not None:
                 plain_all.append(plain)
             if rec.get("lossless") is False:
                 at = _first_diff(plain.tokens, spec.tokens)
-                mismatches.append({"item": item.name, "turn": rec["turn"], "first_diff": at})
-        bar.update(1)
+                mismatches.append({"item": rec["item"], "turn": rec["turn"], "first_diff": at})
+        bar.update(len(group))
         acc = [a for g in spec_all for a in g.accepted]
         if acc:
             bar.set_postfix(tau=f"{(sum(acc) + len(acc)) / len(acc):.2f}")
@@ -235,16 +262,24 @@ def decode_prompts(
     return records, spec_all, plain_all, mismatches
 
 
+def _turn_prompt(item: PromptItem, turn: int, msgs: list[dict], tok) -> list[int]:
+    """Turn `turn`'s prompt: the item's tokens, or the chat so far plus its next user turn."""
+    if item.tokens is not None:
+        return item.tokens
+    msgs.append({"role": "user", "content": item.user_turns[turn]})
+    return render_chat(tok, msgs)
+
+
+def _system(item: PromptItem) -> list[dict]:
+    return [{"role": "system", "content": item.system}] if item.system else []
+
+
 def _decode_item(decoder: Decoder, idx: int, item: PromptItem, tok, ev: EvalSettings, skips):
     """(record, speculative, plain or None) per turn of `item`; a chat gets each reply before
     its next user turn. A prompt over eval.max_prompt_tokens ends the item."""
-    msgs = [{"role": "system", "content": item.system}] if item.system else []
+    msgs = _system(item)
     for turn in range(item.num_turns):
-        if item.tokens is not None:
-            prompt = item.tokens
-        else:
-            msgs.append({"role": "user", "content": item.user_turns[turn]})
-            prompt = render_chat(tok, msgs)
+        prompt = _turn_prompt(item, turn, msgs, tok)
         if len(prompt) > ev.max_prompt_tokens:
             skips.skip("prompt_too_long", item.name, f"turn {turn}: {len(prompt)} tokens")
             return
@@ -261,6 +296,45 @@ def _decode_item(decoder: Decoder, idx: int, item: PromptItem, tok, ev: EvalSett
         yield rec, spec, plain
         if item.tokens is None:
             msgs.append({"role": "assistant", "content": rec["output"]})
+
+
+def _decode_batch(decoder: Decoder, first: int, items: list[PromptItem], tok, ev, skips):
+    """_decode_item for eval.batch_size items at once, turn by turn: every item's turn t is
+    one batch (its reply is in the chat before turn t + 1 is rendered). Records carry the
+    batch's number and size; their times are each row's share of the batch's."""
+    chats = [_system(item) for item in items]
+    alive = list(range(len(items)))
+    batch_no = first // ev.batch_size
+    for turn in range(max(item.num_turns for item in items)):
+        rows, prompts = [], []
+        for j in alive:
+            if turn >= items[j].num_turns:
+                continue
+            prompt = _turn_prompt(items[j], turn, chats[j], tok)
+            if len(prompt) > ev.max_prompt_tokens:
+                skips.skip("prompt_too_long", items[j].name, f"turn {turn}: {len(prompt)} tokens")
+                continue
+            rows.append(j)
+            prompts.append(prompt)
+        if not rows:
+            return
+        runs: dict[str, list[Generation]] = {}
+        order = ("spec", "plain") if batch_no % 2 == 0 else ("plain", "spec")  # cancel drift
+        for which in order:
+            if which == "plain" and not ev.compare_plain:
+                continue
+            decoder.reseed(ev.seed + 1000 * first + turn)
+            fn = speculative_batch if which == "spec" else plain_batch
+            runs[which] = fn(decoder, prompts, ev.max_new_tokens)
+        for k, j in enumerate(rows):
+            spec = runs["spec"][k]
+            plain = runs["plain"][k] if "plain" in runs else None
+            rec = _record(items[j], turn, prompts[k], spec, plain, tok, ev)
+            rec.update(batch=batch_no, batch_rows=len(rows))
+            yield rec, spec, plain
+            if items[j].tokens is None:
+                chats[j].append({"role": "assistant", "content": rec["output"]})
+        alive = rows
 
 
 def _record(item, turn, prompt, spec: Generation, plain: Generation | None, tok, ev):
@@ -336,7 +410,9 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
     items, rows = load_prompts(cfg, prepared, tree is None, skips)
     tree_info: dict[str, Any] = {"kind": cfg.tree.kind}
     if tree is None:
-        tree, tree_info = calibrated_tree(cfg.tree, decoder, rows, items, base.tokenizer)
+        tree, tree_info = calibrated_tree(
+            cfg.tree, decoder, rows, items, base.tokenizer, ev.batch_size
+        )
     tree_info.update(use_tree(decoder, tree, out))
     setup_s = time.perf_counter() - t_setup
     records, spec, plain, mismatches = decode_prompts(decoder, items, base.tokenizer, ev, skips)
@@ -351,6 +427,7 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
             "kv_cache": ev.kv_cache,
             "base_quant": ev.base_quant,
             "compile": ev.compile,
+            "batch_size": ev.batch_size,
             "compile_s": round(decoder.compile_s, 2),  # not in any decode time
             "compiled_shapes": sorted(decoder.compiled_shapes),
         },

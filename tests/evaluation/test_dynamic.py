@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from evaluation.decode import Decoder
-from evaluation.dynamic import DynamicTree, grow_dynamic
+from evaluation.dynamic import DynamicTree, Shape, by_temperature, grow_dynamic
 from evaluation.tree import Tree, TreeError
 from tests.helpers import make_heads
 
@@ -70,3 +70,17 @@ def test_bad_dynamic_trees_fail_clearly(tiny_base):
     heads = make_heads(tiny_base.model, "hydra", 0, 0.0)
     with pytest.raises(TreeError, match="tree.depth=6 but the heads propose only 4"):
         Decoder(tiny_base.model, set(), heads, DynamicTree(8, 2, 2, depth=6))
+
+
+@pytest.mark.parametrize(
+    ("temperature", "expected"),
+    [
+        (0.0, DynamicTree(15, 2, 3, 4)),  # cold: as deep as the 4 heads, narrow
+        (1.0, DynamicTree(15, 4, 8, 2)),  # hot: broad and shallow
+        (2.5, DynamicTree(15, 4, 8, 2)),  # past hot_at: the hot end
+        (0.5, DynamicTree(15, 3, 6, 3)),  # halfway: interpolated, rounded
+    ],
+)
+def test_temperature_tree_goes_from_deep_and_narrow_to_broad_and_shallow(temperature, expected):
+    cold, hot = Shape(expand=2, width=3, depth=None), Shape(expand=4, width=8, depth=2)
+    assert by_temperature(temperature, 15, cold, hot, 1.0, num_heads=4) == expected

@@ -153,11 +153,53 @@ def test_eval_dynamic_tree_on_a_quantized_base_reports_its_backend(tiny_heads, t
     assert not (tmp_path / "eval" / "tree.json").exists()  # no one tree to save
 
 
+def test_eval_temperature_tree_takes_the_shape_of_its_temperature(tiny_heads, tmp_path):
+    _, res = _eval(
+        tiny_heads,
+        tmp_path / "eval",
+        "tree=temperature",
+        "eval.temperature=0.75",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=10",
+    )
+    # conf/tree/temperature.yaml: cold (2, 3, all 4 heads), hot (4, 8, 2) at 1.0
+    tree = res["tree"]
+    assert tree["kind"] == "temperature" and res["sampling"]["acceptance"] == "rejection"
+    assert (tree["expand"], tree["width"], tree["depth"], tree["num_nodes"]) == (4, 7, 2, 15)
+
+
+def test_eval_batched_multi_turn_chats_match_batch_1(tiny_heads, tmp_path):
+    """eval.batch_size=3 over 4 chats (one of two turns): batches of 3 and 1, turn by turn;
+    lossless against batched plain decoding, and the same tokens as the batch-1 eval."""
+    prompts = tmp_path / "p.jsonl"
+    rows = [
+        {"turns": ["count from 3 by 1", "and again from 5"]},
+        {"prompt": "count from 1 by 2"},
+        {"prompt": "count from 7"},
+        {"prompt": "count down from 9 to 1 and then up again"},
+    ]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = (f"eval.prompts={prompts}", "tree=sparse_15", "eval.max_new_tokens=12")
+    _, one = _eval(tiny_heads, tmp_path / "one", *args)
+    _, res = _eval(tiny_heads, tmp_path / "batched", *args, "eval.batch_size=3")
+    assert res["backend"]["batch_size"] == 3 and res["lossless"] is True
+    assert [(r["batch"], r["batch_rows"], r["turn"]) for r in res["records"]] == [
+        (0, 3, 0), (0, 3, 0), (0, 3, 0), (0, 1, 1), (1, 1, 0)
+    ]  # fmt: skip
+    outputs = {(r["item"], r["turn"]): r["output"] for r in one["records"]}
+    assert {(r["item"], r["turn"]): r["output"] for r in res["records"]} == outputs
+    assert res["tau"] == pytest.approx(one["tau"]) and res["plain_tokens_per_s"] > 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["eval.compile=true", "eval.base_quant=int8"], "dynamic int8 linears do not compile"),
+        (["eval.compile=true", "eval.batch_size=2"], "compiled decoding is batch 1"),
+        (["eval.batch_size=0"], "eval.batch_size"),
         (["tree=dynamic", "tree.depth=9"], "tree.depth=9 but the heads propose only"),
+        (["tree=temperature", "tree.hot.depth=9"], "tree.hot.depth=9 but the heads propose"),
+        (["tree=temperature", "tree.hot_at=0"], "tree.hot_at"),
         (["heads=/nonexistent/heads"], "is not a heads checkpoint"),
         (["tree=paths", "tree.paths=[[0],[0,0,0]]"], "has no parent"),
         (["tree=mc_sim_7b_63", "base=smollm2_135m"], "were trained for a base"),
