@@ -222,7 +222,7 @@ def base_arch(base) -> dict[str, Any]:
     if base.source == "tiny_random":
         from train.core.base import tiny_tokenizer
 
-        vocab = len(tiny_tokenizer())
+        vocab = max(base.tiny.vocab_size or 0, len(tiny_tokenizer()))
         return {k: vocab if k == "vocab_size" else getattr(base.tiny, k) for k in ARCH_KEYS}
     from transformers import AutoConfig
 

@@ -32,6 +32,32 @@ def test_tiny_random_is_deterministic_by_seed():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_tiny_random_vocab_can_outgrow_its_tokenizer_for_the_plan_too():
+    """base.tiny.vocab_size (the GPU check's 1B model: 32,000): a realistic output projection;
+    the plan counts the same vocab as the model has."""
+    from train.plan import base_arch
+
+    cfg = base_config("tiny_random")
+    cfg = cfg.model_copy(update={"tiny": cfg.tiny.model_copy(update={"vocab_size": 1000})})
+    base = load_base(cfg)
+    assert base.vocab_size == 1000 and base.lm_head.weight.shape == (1000, 64)
+    assert base_arch(cfg)["vocab_size"] == 1000
+    assert base_arch(base_config("tiny_random"))["vocab_size"] == 259
+
+
+def test_gpu_check_without_cuda_says_so():
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the GPU check would run")
+    script = REPO / "evaluation" / "benchmarks" / "gpu_check.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no CUDA device here" in r.stderr
+
+
 def test_uncached_hub_model_offline_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))

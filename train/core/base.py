@@ -46,6 +46,9 @@ class TinyConfig(ConfigModel):
     max_position_embeddings: Positive
     tie_word_embeddings: bool
     seed: int
+    # null: the tokenizer's; larger gives a realistic output projection (the GPU check's 1B
+    # model), the extra ids are never produced by the tokenizer. Default for older records.
+    vocab_size: Positive | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> TinyConfig:
@@ -446,8 +449,8 @@ def _tiny_model(cfg: BaseConfig, vocab_size: int, dtype: torch.dtype | None):
 
     t = cfg.tiny
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        **t.model_dump(exclude={"seed"}),  # the other TinyConfig keys are LlamaConfig's own
+        vocab_size=max(t.vocab_size or 0, vocab_size),
+        **t.model_dump(exclude={"seed", "vocab_size"}),  # the others are LlamaConfig's own
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
