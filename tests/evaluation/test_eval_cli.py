@@ -162,7 +162,7 @@ def test_eval_temperature_tree_takes_the_shape_of_its_temperature(tiny_heads, tm
         "eval.num_prompts=2",
         "eval.max_new_tokens=10",
     )
-    # conf/tree/temperature.yaml: cold (2, 3, all 4 heads), hot (4, 8, 2) at 1.0
+    # conf/tree/temperature.yaml: cold (4, 4, all 4 heads), hot (4, 8, 2) at 1.0
     tree = res["tree"]
     assert tree["kind"] == "temperature" and res["sampling"]["acceptance"] == "rejection"
     assert (tree["expand"], tree["width"], tree["depth"], tree["num_nodes"]) == (4, 7, 2, 15)
