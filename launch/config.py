@@ -87,8 +87,47 @@ class PlanConfig(TrainConfig):
 Grid = dict[str, Annotated[list[Any], check(bool, "a non-empty list of values")]]
 
 
+class SearchParam(ConfigModel):
+    """One train key of a search space: `choices`, or a `low`..`high` range (`integer` for
+    integers, `log` for a log scale)."""
+
+    choices: list[Any] | None = None
+    low: float | None = None
+    high: float | None = None
+    integer: bool = False
+    log: bool = False
+
+    @model_validator(mode="after")
+    def _kind(self) -> SearchParam:
+        ranged = self.low is not None or self.high is not None
+        if (self.choices is None) == (not ranged):
+            fail("space", self.model_dump(), "either choices: [...] or low: and high:")
+        if self.choices is not None and not self.choices:
+            fail("choices", self.choices, "a non-empty list of values")
+        if ranged:
+            if self.low is None or self.high is None or not self.low < self.high:
+                fail("low / high", (self.low, self.high), "both set, low < high")
+            if self.log and self.low <= 0:
+                fail("low", self.low, "> 0 on a log scale")
+        return self
+
+
+class SearchSpec(ConfigModel):
+    """`sweep.search`: a budgeted Optuna search in place of a grid. Its study lives in
+    <out>/study.db (SQLite), so a killed search resumes where it stopped."""
+
+    backend: Literal["optuna"]
+    trials: Positive  # finished trials (complete or failed) the search runs to
+    sampler: Literal["tpe", "random"]
+    seed: int
+    # tau: eval's measured tau; tau_per_train_minute: tau / minutes of training (fit_s)
+    objective: Literal["tau", "tau_per_train_minute"]
+    space: Annotated[dict[str, SearchParam], check(bool, "at least one train key to search")]
+
+
 class SweepSpec(ConfigModel):
-    """One sweep (`conf/sweep/*.yaml`): grids of overrides and the overrides every point shares."""
+    """One sweep (`conf/sweep/*.yaml`): grids of overrides and the overrides every point shares,
+    or a search over train keys (`search`)."""
 
     name: str
     grid: Grid  # train overrides, crossed
@@ -96,10 +135,18 @@ class SweepSpec(ConfigModel):
     train: list[str]  # shared by every train point
     eval: list[str]  # shared by every eval point
     sort_by: Literal[SORT_KEYS]  # type: ignore[valid-type]
+    search: SearchSpec | None = None  # null: the grid
 
     @model_validator(mode="after")
     def _rules(self) -> SweepSpec:
-        if not self.grid and not self.eval_grid:
+        if self.search is not None and (self.grid or self.eval_grid):
+            fail(
+                "grid",
+                self.grid or self.eval_grid,
+                "a search draws its own points from search.space: leave grid and eval_grid "
+                "empty ({})",
+            )
+        if self.search is None and not self.grid and not self.eval_grid:
             fail("grid", self.grid, "at least one key with a list of values")
         for o in [*self.train, *self.eval]:
             if "=" not in o:
@@ -111,7 +158,7 @@ class SweepSpec(ConfigModel):
 
 
 # What makes a sweep the same sweep on resume (sort_by may change freely).
-IDENTITY = ("grid", "eval_grid", "train", "eval")
+IDENTITY = ("grid", "eval_grid", "train", "eval", "search")
 
 
 class SweepConfig(ConfigModel):
@@ -143,6 +190,8 @@ class SweepConfig(ConfigModel):
     def _command_line_grids(self) -> SweepConfig:
         from launch.sweep import parse_grid
 
+        if self.sweep.search is not None and self.backend == "slurm":
+            fail("backend", "slurm", "a search runs its trials one after another: backend=local")
         if self.grid is None and self.eval_grid is None:
             return self
         spec = self.sweep.model_dump()

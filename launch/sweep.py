@@ -181,15 +181,23 @@ def _point_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _identity(spec: dict, key: str) -> Any:
+    """spec[key] as far as it makes the sweep the same: a search may raise its trials."""
+    value = spec.get(key)
+    if key == "search" and value:
+        value = {k: v for k, v in value.items() if k != "trials"}
+    return value
+
+
 def load_state(out: Path, spec: SweepSpec) -> dict[str, Any]:
     """sweep.json (or a fresh plan); a resumed sweep must be the same grid."""
     path = out / "sweep.json"
-    fresh = {"spec": spec.to_dict(), "points": plan_points(spec)}
+    fresh = {"spec": spec.to_dict(), "points": plan_points(spec) if spec.search is None else []}
     if not path.is_file():
         return fresh
     state = json.loads(path.read_text())
     old = state.get("spec") or {}
-    changed = [k for k in IDENTITY if old.get(k) != fresh["spec"][k]]
+    changed = [k for k in IDENTITY if _identity(old, k) != _identity(fresh["spec"], k)]
     if changed:
         raise ConfigError(
             f"{path} belongs to a different sweep: sweep.{', sweep.'.join(changed)} changed. "
@@ -245,6 +253,26 @@ def _tail(logfile: Path, n: int = 5) -> str:
     return errors[-1] if errors else " | ".join(lines[-n:])
 
 
+def run_point(cfg: SweepConfig, out: Path, p: dict, describe=lambda text: None):
+    """Train point `p` (unless its training finished before) and evaluate it, each step's
+    output in logs/<point>.log. Returns (None, "") or (the stage that failed, why)."""
+    tname = p["train_point"]
+    log_file = out / "logs" / f"{p['name']}.log"
+    tdir = out / "points" / tname / "train"
+    t0 = time.time()
+    if not (tdir / "train_summary.json").is_file():
+        describe(f"train {tname}")
+        _update_point(out, p["name"], status="training")
+        if _run_logged(train_command(cfg, out, tname, p["train_overrides"]), log_file) != 0:
+            return "train", _tail(log_file)
+    describe(f"eval {p['name']}")
+    _update_point(out, p["name"], status="evaluating")
+    if _run_logged(eval_command(cfg, out, p), log_file) != 0:
+        return "eval", _tail(log_file)
+    _update_point(out, p["name"], status="done", seconds=round(time.time() - t0, 1))
+    return None, ""
+
+
 def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
     """Run (or resume) every unfinished point; return the final sweep.json content."""
     out = Path(cfg.out).expanduser().resolve()
@@ -260,6 +288,16 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
     if cfg.only is not None and not points:
         names = sorted({p["train_point"] for p in state["points"]})
         raise ConfigError(f"only={cfg.only!r} is not a train point; choose one of {names}")
+    if cfg.dry_run and spec.search is not None:
+        s = spec.search
+        print(f"# search: {s.trials} trials ({s.sampler}, seed {s.seed}), maximize {s.objective}")
+        for key, param in s.space.items():
+            print(f"#   {key}: {param.model_dump(exclude_defaults=True)}")
+        draw = {"name": "TRIAL", "train_point": "TRIAL", "dir": "points/TRIAL/eval/default"}
+        keys = [f"{k}=<drawn>" for k in s.space]
+        print(shlex.join(train_command(cfg, out, "TRIAL", keys)))
+        print(shlex.join(eval_command(cfg, out, {**draw, "eval_overrides": []})))
+        return state
     if cfg.dry_run:
         for p in points:
             print(f"# {p['name']} [{p['status']}]")
@@ -268,6 +306,10 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
         return state
     if cfg.backend == "slurm":
         return submit_points(cfg, out, state)
+    if spec.search is not None:
+        from launch.search import run_search
+
+        return run_search(cfg, out, progress)
     from rich.markup import escape
     from rich.progress import Progress
 
@@ -297,25 +339,13 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
                 if not mine:
                     bar.console.print(f"{escape(p['name'])}: being run by another process")
                     continue
-                log_file = out / "logs" / f"{p['name']}.log"
-                tdir = out / "points" / tname / "train"
-                t0 = time.time()
-                if not (tdir / "train_summary.json").is_file():
-                    bar.update(task, description=f"train {tname}")
-                    _update_point(out, p["name"], status="training")
-                    cmd = train_command(cfg, out, tname, p["train_overrides"])
-                    if _run_logged(cmd, log_file) != 0:
-                        failed_train.add(tname)
-                        if failed(p, "train", _tail(log_file)):
-                            break
-                        continue
-                bar.update(task, description=f"eval {p['name']}")
-                _update_point(out, p["name"], status="evaluating")
-                if _run_logged(eval_command(cfg, out, p), log_file) != 0:
-                    if failed(p, "eval", _tail(log_file)):
+                stage, msg = run_point(cfg, out, p, lambda d: bar.update(task, description=d))
+                if stage == "train":
+                    failed_train.add(tname)
+                if stage is not None:
+                    if failed(p, stage, msg):
                         break
                     continue
-                _update_point(out, p["name"], status="done", seconds=round(time.time() - t0, 1))
             if cfg.report:
                 try:
                     write_report(out, spec)
