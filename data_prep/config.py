@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import model_validator
@@ -11,6 +13,25 @@ from train.core.base import BaseConfig
 from train.core.config import ConfigModel, Fraction, Positive, check, fail
 
 _ROLE_LIST = ", ".join(ROLES)
+Format = Literal["auto", "json", "jsonl", "hf_disk"]
+
+
+class SourceConfig(ConfigModel):
+    """One input of a mixture: an item of `data.sources` (semantics: conf/data/_shared.yaml).
+
+    Items are written inline on the command line, so the optional keys cannot take their values
+    from conf/: null here means "as the rest of `data`" (format), the file's stem (name) or no
+    cap (max_conversations), and DataConfig fills in format and name."""
+
+    path: Annotated[str, check(bool, "a local file or dir (JSON array, JSON lines, save_to_disk)")]
+    weight: Annotated[float, check(lambda v: v > 0 and math.isfinite(v), "a number > 0")]
+    format: Format | None = None
+    # conversation ids in the output are `<name>/<record id>`, hence no '/'
+    name: (
+        Annotated[str, check(lambda v: bool(v) and "/" not in v, "a non-empty name without '/'")]
+        | None
+    ) = None
+    max_conversations: Positive | None = None  # read at most this many records of this source
 
 
 class DataConfig(ConfigModel):
@@ -22,7 +43,7 @@ class DataConfig(ConfigModel):
     package_file: (
         Annotated[str, check(lambda v: ":" in v, "use the form 'package:relative/path'")] | None
     )
-    format: Literal["auto", "json", "jsonl", "hf_disk"]
+    format: Format
     split: str | None  # split to read from an on-disk DatasetDict
     turns_field: str | None  # name of the turns list; default: conversations / messages
     # extra raw-role -> role mappings, e.g. {bot: assistant}
@@ -42,16 +63,46 @@ class DataConfig(ConfigModel):
     dedup: bool
     val_fraction: Fraction
     num_shards: Positive | None  # Arrow shards per split; default: one per 256 MB, >= 1
+    # A weighted, seeded mixture of several inputs (data=mixture; rules: conf/data/mixture.yaml
+    # and data_prep/mixture.py); set, it replaces path / package_file.
+    sources: list[SourceConfig] | None
 
     @model_validator(mode="after")
     def _source(self) -> DataConfig:
-        if (self.path is None) == (self.package_file is None):
+        if self.sources is not None:
+            self._mixture()
+        elif (self.path is None) == (self.package_file is None):
             fail("path", self.path, "set exactly one of data.path or data.package_file")
         if not self.loss_roles:
             fail("loss_roles", self.loss_roles, "name at least one role, e.g. [assistant]")
         if any(r not in ROLES for r in self.loss_roles):
             fail("loss_roles", self.loss_roles, f"roles are {_ROLE_LIST}")
         return self
+
+    def _mixture(self) -> None:
+        """Check data.sources and fill in each source's format and name."""
+        if not self.sources:
+            fail("sources", [], "list at least one source, e.g. [{path: FILE, weight: 1}]")
+        for key in ("path", "package_file"):
+            if getattr(self, key) is not None:
+                fail(
+                    key,
+                    getattr(self, key),
+                    "data.sources replaces data.path and data.package_file: use data=mixture "
+                    "(which sets neither), or set data.path=null data.package_file=null",
+                )
+        for i, s in enumerate(self.sources):
+            s.format = s.format or self.format
+            s.name = s.name or Path(s.path).expanduser().resolve().stem or f"source{i}"
+        names = [s.name for s in self.sources]
+        if len(set(names)) < len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            fail(
+                "sources",
+                names,
+                f"sources need distinct names ({', '.join(dup)} repeats): name one, e.g. "
+                "{path: FILE, weight: 1, name: other}",
+            )
 
 
 class RegenConfig(ConfigModel):

@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from data_prep.config import DataConfig, PrepConfig
+from data_prep.mixture import SourceSkips, merge_skips, quotas, select
 from data_prep.normalize import (
     DEFAULT_ROLE_MAP,
     NormalizeStats,
@@ -60,20 +62,51 @@ def resolve_input(data: DataConfig) -> Path:
     return path
 
 
-def read_conversations(data: DataConfig, skips: SkipLog) -> tuple[list[dict], dict[str, Any]]:
-    """Read, normalize and deduplicate conversations; bad rows are skipped and counted."""
+def read_conversations(
+    data: DataConfig, skips: SkipLog, seed: int = 0
+) -> tuple[list[dict], dict[str, Any]]:
+    """Read, normalize and deduplicate conversations; bad rows are skipped and counted. With
+    data.sources: the seeded mixture of those sources (read_mixture)."""
+    if data.sources is not None:
+        return read_mixture(data, skips, seed)
+    path = resolve_input(data)
+    norm = NormalizeStats()
+    rows, n_read, n_row_skips = _read_source(
+        path, data.format, data.max_conversations, data, skips, norm, {}
+    )
+    info = {
+        "input": str(path),
+        # Records seen, including lines or records the reader could not parse.
+        "records_read": n_read + sum(skips.counts.values()) - n_row_skips,
+        "leading_assistant_turns_dropped": norm.leading_assistant_turns_dropped,
+        "trailing_user_turns_dropped": norm.trailing_user_turns_dropped,
+    }
+    return rows, info
+
+
+def _read_source(
+    path: Path,
+    fmt: str,
+    max_records: int | None,
+    data: DataConfig,
+    skips: SkipLog,
+    norm: NormalizeStats,
+    seen: dict[str, str | None],
+    source: str | None = None,
+) -> tuple[list[dict], int, int]:
+    """The usable conversations of one input, and (records parsed, parsed ones rejected here).
+
+    `seen` maps the conversation keys taken so far to their source (None outside a mixture),
+    for dedup across sources; a mixed conversation's id is `<source>/<record id>`."""
     from tqdm.auto import tqdm
 
-    path = resolve_input(data)
     role_map = {**DEFAULT_ROLE_MAP, **{k.lower(): v for k, v in (data.roles or {}).items()}}
-    norm = NormalizeStats()
-    seen: set[str] = set()
     rows: list[dict] = []
     n_read = 0
     n_row_skips = 0  # rows that parsed but were rejected here (the reader counts the rest)
-    bar = tqdm(desc=f"reading {path.name}", unit=" conv", total=data.max_conversations)
-    for where, record in iter_records(path, data.format, skips, data.split):
-        if data.max_conversations is not None and n_read >= data.max_conversations:
+    bar = tqdm(desc=f"reading {path.name}", unit=" conv", total=max_records)
+    for where, record in iter_records(path, fmt, skips, data.split):
+        if max_records is not None and n_read >= max_records:
             break
         n_read += 1
         bar.update()
@@ -85,28 +118,131 @@ def read_conversations(data: DataConfig, skips: SkipLog) -> tuple[list[dict], di
             continue
         key = conversation_key(msgs)
         if data.dedup and key in seen:
-            skips.skip("duplicate", where, "identical to an earlier conversation")
+            if seen[key] == source:
+                skips.skip("duplicate", where, "identical to an earlier conversation")
+            else:
+                detail = f"identical to a conversation of source '{seen[key]}'"
+                skips.skip("cross_source_duplicate", where, detail)
             n_row_skips += 1
             continue
-        seen.add(key)
+        seen[key] = source
         cid = record.get("id") if isinstance(record.get("id"), str) else None
+        cid = cid or where.rsplit("/", 1)[-1]
         rows.append(
             {
-                "conv_id": cid or where.rsplit("/", 1)[-1],
+                "conv_id": f"{source}/{cid}" if source is not None else cid,
                 "key": key,
                 "roles": [m["role"] for m in msgs],
                 "contents": [m["content"] for m in msgs],
             }
         )
     bar.close()
+    return rows, n_read, n_row_skips
+
+
+def read_mixture(data: DataConfig, skips: SkipLog, seed: int) -> tuple[list[dict], dict]:
+    """The conversations of data.sources, mixed by weight (data_prep.mixture has the rules),
+    and read_conversations' info plus "sources" (per-source counts) and "mixture"."""
+    seen: dict[str, str | None] = {}
+    pools: list[list[dict]] = []
+    per_source: dict[str, dict[str, Any]] = {}
+    norm_total = NormalizeStats()
+    paths = [Path(src.path).expanduser() for src in data.sources]
+    for i, (src, path) in enumerate(zip(data.sources, paths, strict=True)):
+        if not path.exists():  # before reading any: a typo fails at once
+            raise DataError(
+                f"data.sources[{i}] (source '{src.name}'): input not found: {path}; fix its "
+                "path or remove the source"
+            )
+    for i, (src, path) in enumerate(zip(data.sources, paths, strict=True)):
+        where = f"data.sources[{i}] (source '{src.name}', path {path})"
+        own, norm = SkipLog(), NormalizeStats()
+        try:
+            rows, n_read, n_row_skips = _read_source(
+                path, src.format, src.max_conversations, data, own, norm, seen, src.name
+            )
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from e
+        if not rows:
+            raise PrepError(
+                f"{where} has no usable conversation (skipped: {dict(own.counts)}); check its "
+                "format and data.turns_field, or remove it"
+            )
+        merge_skips(skips, own)
+        for k in ("leading_assistant_turns_dropped", "trailing_user_turns_dropped"):
+            setattr(norm_total, k, getattr(norm_total, k) + getattr(norm, k))
+        pools.append(rows)
+        per_source[src.name] = {
+            "path": str(path),
+            "format": src.format,
+            "weight": src.weight,
+            "records_read": n_read + sum(own.counts.values()) - n_row_skips,
+            "usable": len(rows),
+            "skipped": dict(own.counts),
+            "leading_assistant_turns_dropped": norm.leading_assistant_turns_dropped,
+            "trailing_user_turns_dropped": norm.trailing_user_turns_dropped,
+        }
+    weights = [s.weight for s in data.sources]
+    targets = quotas([len(p) for p in pools], weights, data.max_conversations)
+    mixed: list[dict] = []
+    for src, pool, target in zip(data.sources, pools, targets, strict=True):
+        chosen = select(len(pool), target, seed, src.name)
+        mixed.extend(pool[j] for j in chosen)
+        st = per_source[src.name]
+        st.update(
+            share=round(src.weight / sum(weights), 6),
+            target=target,
+            selected=len(chosen),
+            shortfall=target - len(chosen),
+        )
+        if st["shortfall"]:
+            skips.warn(
+                f"source '{src.name}' has {len(pool)} usable conversations, {st['shortfall']} "
+                f"short of its share ({target} of {sum(targets)}); the mixture holds all of them "
+                "and is that much smaller"
+            )
     info = {
-        "input": str(path),
-        # Records seen, including lines or records the reader could not parse.
-        "records_read": n_read + sum(skips.counts.values()) - n_row_skips,
-        "leading_assistant_turns_dropped": norm.leading_assistant_turns_dropped,
-        "trailing_user_turns_dropped": norm.trailing_user_turns_dropped,
+        "input": ", ".join(f"{name}={s['path']}" for name, s in per_source.items()),
+        "records_read": sum(s["records_read"] for s in per_source.values()),
+        "leading_assistant_turns_dropped": norm_total.leading_assistant_turns_dropped,
+        "trailing_user_turns_dropped": norm_total.trailing_user_turns_dropped,
+        "sources": per_source,
+        "mixture": {
+            "seed": seed,
+            "max_conversations": data.max_conversations,
+            "target": sum(targets),
+            "selected": len(mixed),
+            "shortfall": sum(s["shortfall"] for s in per_source.values()),
+        },
     }
-    return rows, info
+    return mixed, info
+
+
+def _source_stats(info: dict, skips: SkipLog, kept) -> dict[str, dict[str, Any]]:
+    """read_mixture's per-source counts completed with what happened after selection: each
+    source's conversations kept and its skips in tokenization (and regeneration)."""
+    kept_by = Counter(
+        cid.split("/", 1)[0]
+        for cid, p in zip(kept["conv_id"], kept["piece"], strict=True)
+        if p == 0
+    )
+    total = sum(kept_by.values())
+    later = getattr(skips, "by_source", {})
+    out = {}
+    for name, st in info["sources"].items():
+        skipped = Counter(st["skipped"]) + later.get(name, Counter())
+        out[name] = {
+            **{k: st[k] for k in ("path", "format", "weight", "share", "records_read", "usable")},
+            **{k: st[k] for k in ("target", "selected", "shortfall")},
+            "not_selected": st["usable"] - st["selected"],
+            "kept": kept_by[name],
+            "kept_share": round(kept_by[name] / total, 6) if total else 0.0,
+            "skipped": dict(sorted(skipped.items())),
+            "skipped_total": int(sum(skipped.values())),
+            "leading_assistant_turns_dropped": st["leading_assistant_turns_dropped"],
+            "trailing_user_turns_dropped": st["trailing_user_turns_dropped"],
+        }
+    return out
 
 
 def _is_validation(key: str, seed: int, fraction: float) -> bool:
@@ -329,9 +465,10 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
         )
     tokenizer = chat_tokenizer(cfg.base)
     timing["load_tokenizer_s"] = time.perf_counter() - t_start
-    skips = SkipLog()
+    sources = cfg.data.sources
+    skips = SourceSkips(sources=tuple(s.name for s in sources)) if sources else SkipLog()
     with _timed(timing, "read_s"):
-        rows, read_info = read_conversations(cfg.data, skips)
+        rows, read_info = read_conversations(cfg.data, skips, cfg.seed)
     if not rows:
         raise PrepError(
             f"no usable conversation in {read_info['input']} (skipped: "
@@ -355,6 +492,8 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     with _timed(timing, "tokenize_s"):
         tok, num_proc = tokenize(rows, tokenizer, cfg)
     kept, conv_lengths = kept_samples(tok, skips)
+    if sources:
+        read_info["sources"] = _source_stats(read_info, skips, kept)
     dd = DatasetDict({split: split_samples(kept, split, cfg) for split in SPLITS})
     if cfg.cache_hidden:
         from data_prep.hidden import cache_hidden_states
@@ -428,4 +567,6 @@ def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths: list[int]) ->
         "splits": per_split,
         "seed": cfg.seed,
         "max_token_id": max_id,  # train checks it against the base vocab
+        # a mixture (data.sources): its totals, and each source's counts by name
+        **{k: read_info[k] for k in ("mixture", "sources") if k in read_info},
     }

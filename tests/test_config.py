@@ -70,6 +70,8 @@ def test_every_group_option_composes_and_validates(group):
             text = (conf_dir() / group / f"{option}.yaml").read_text()
             if group == "data" and "path: ???" in text:
                 overrides.append(f"data.path={Path(__file__)}")
+            if group == "data" and "sources: ???" in text:
+                overrides.append(f"data.sources=[{{path: {Path(__file__)}, weight: 1}}]")
             if group == "tree" and "path: ???" in text:
                 overrides.append("tree.path=/tmp/tree.json")
             if primary == "train":

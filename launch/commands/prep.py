@@ -42,6 +42,18 @@ def print_stats(stats: dict[str, Any], out: str) -> None:
     if "total_s" in timing:
         t.add_row("time", f"{timing['total_s']:.1f} s")
     console.print(t)
+    if stats.get("sources"):  # data=mixture
+        m = Table(title="mixture: per source")
+        for col in ("source", "weight", "read", "usable", "target", "selected", "kept", "skipped"):
+            m.add_column(col, justify="left" if col == "source" else "right")
+        for name, src in stats["sources"].items():
+            m.add_row(
+                name,
+                f"{src['weight']:g}",
+                *(f"{src[k]:,}" for k in ("records_read", "usable", "target", "selected", "kept")),
+                f"{src['skipped_total']:,}",
+            )
+        console.print(m)
     for w in stats["warnings"]:
         console.print(f"[yellow]warning:[/] {w}")
 
