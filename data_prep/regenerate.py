@@ -35,6 +35,7 @@ import json
 import logging
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -298,16 +299,21 @@ def generate_replies(
     return replies
 
 
+# How a server's replies are fetched, not what they are: changing these keeps finished shards.
+_OPERATIONAL = ("url", "concurrency", "timeout_s", "retries", "backoff_s", "api_key_env")
+
+
 def _manifest(rows: list[dict], cfg: RegenConfig, base_name: str, seed: int) -> dict:
     h = hashlib.sha256()
     for r in rows:
         h.update(r["key"].encode())
+    regen = {k: v for k, v in cfg.to_dict().items() if k not in _OPERATIONAL}
     return {
         "conversations": len(rows),
         "keys_sha256": h.hexdigest(),
         "base": base_name,
         "seed": seed,
-        "regen": cfg.to_dict(),
+        "regen": regen,
     }
 
 
@@ -350,6 +356,25 @@ def turn_prompt(tokenizer, history: list[dict[str, str]]) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def _replies(base, group: list[dict], prompts, step: int, cfg: RegenConfig, progress):
+    """This turn step's replies, (text or None, why not), from the base in this process or
+    from the OpenAI-compatible server (which gets the chat so far and applies the template)."""
+    if not prompts:
+        return []
+    if cfg.backend == "openai":
+        from data_prep.openai_backend import chat_replies
+
+        t0 = time.perf_counter()
+        out = chat_replies([c["msgs"][: c["turns"][step]] for c in group], cfg)
+        tokens = sum(
+            len(base.tokenizer(t, add_special_tokens=False)["input_ids"]) for t, _ in out if t
+        )
+        progress.batch(len(group), tokens, time.perf_counter() - t0)
+        return out
+    ids = generate_replies(base, prompts, cfg, progress.batch)
+    return [(base.tokenizer.decode(x, skip_special_tokens=True), "") for x in ids]
+
+
 def _regen_shard(rows: list[dict], base, cfg: RegenConfig, progress: _Progress) -> list[dict]:
     """Regenerate every assistant turn of `rows`, turn by turn, batching across conversations."""
     tok = base.tokenizer
@@ -380,12 +405,12 @@ def _regen_shard(rows: list[dict], base, cfg: RegenConfig, progress: _Progress) 
                 continue
             group.append(c)
             prompts.append(p)
-        replies = generate_replies(base, prompts, cfg, progress.batch) if prompts else []
-        for c, ids in zip(group, replies, strict=True):
+        texts = _replies(base, group, prompts, step, cfg, progress)
+        for c, (text, why) in zip(group, texts, strict=True):
             idx = c["turns"][step]
-            reply = tok.decode(ids, skip_special_tokens=True).strip()
+            reply = (text or "").strip()
             if not reply:
-                c["stop"] = "empty_reply"  # the conversation ends before this turn
+                c["stop"] = why or "empty_reply"  # the conversation ends before this turn
                 progress.skip(len(c["turns"]) - step - 1)
                 continue
             c["msgs"][idx] = {"role": "assistant", "content": reply}
@@ -454,8 +479,10 @@ def regenerate(
             progress.seconds,
             progress.tokens / progress.seconds,
         )
-    kept = []
+    kept, cut = [], Counter()
     for r in result:
+        if r.get("stop") and r.get("regenerated_turns", 0):
+            cut[r["stop"]] += 1
         if r.get("regenerated_turns", 0) == 0:
             if skips is not None:
                 skips.skip(f"regen_{r['stop']}", f"conversation {r['conv_id']}")
@@ -463,4 +490,9 @@ def regenerate(
         r.pop("regenerated_turns", None)
         r.pop("stop", None)
         kept.append(r)
+    if cut and skips is not None:  # kept, with the turns before the one that failed
+        skips.warn(
+            f"regeneration cut {sum(cut.values())} conversation(s) short before a turn: "
+            + ", ".join(f"{n} {why}" for why, n in sorted(cut.items()))
+        )
     return kept
