@@ -55,6 +55,9 @@ class DataConfig(ConfigModel):
         | None
     )
     loss_roles: list[str]  # roles whose tokens are trained on
+    # assistant reasoning (reasoning_content / <think> blocks): trained on, context only, or removed
+    reasoning: Literal["train", "mask", "drop"]
+    train_only_last_turn: bool  # loss only on the assistant turns after the last user turn
     max_conversations: Positive | None  # read at most this many input records
     max_length: Annotated[int, check(lambda v: v >= 16, "an integer >= 16 (tokens per sample)")]
     long_conversations: Literal["split", "truncate", "drop"]
@@ -118,6 +121,29 @@ class RegenConfig(ConfigModel):
     max_turns: Positive | None  # regenerate at most this many assistant turns per conversation
     max_prompt_tokens: Positive | None  # a longer prompt ends its conversation before that turn
     device: str  # auto = cuda when available, else cpu
+    # local: the base runs in this process | openai: an OpenAI-compatible chat-completions
+    # server (vLLM, SGLang, TGI, llama.cpp) serving the same base
+    backend: Literal["local", "openai"]
+    url: str | None  # openai: the API root, e.g. http://localhost:8000/v1
+    model: str | None  # openai: the served model's name
+    api_key_env: str | None  # openai: the environment variable holding the API key (or none)
+    concurrency: Positive  # openai: requests in flight at once
+    timeout_s: Annotated[float, check(lambda v: v > 0, "seconds > 0")]
+    retries: Annotated[int, check(lambda v: v >= 0, "an integer >= 0")]  # per request
+    backoff_s: Annotated[float, check(lambda v: v >= 0, "seconds >= 0")]  # doubled per retry
+
+    @model_validator(mode="after")
+    def _endpoint(self) -> RegenConfig:
+        if self.backend == "openai":
+            for key in ("url", "model"):
+                if not getattr(self, key):
+                    fail(key, getattr(self, key), "regen.backend=openai needs the server's " + (
+                        "API root, e.g. regen.url=http://localhost:8000/v1" if key == "url"
+                        else "model name, e.g. regen.model=HuggingFaceTB/SmolLM2-135M-Instruct"
+                    ))  # fmt: skip
+            if not self.url.startswith(("http://", "https://")):
+                fail("url", self.url, "an http:// or https:// URL")
+        return self
 
 
 class PrepConfig(ConfigModel):

@@ -29,7 +29,7 @@ from data_prep.normalize import (
     normalize,
 )
 from data_prep.readers import DataError, SkipLog, iter_records
-from data_prep.template import TemplateError, chunk, encode_batch
+from data_prep.template import TemplateError, chunk, encode_batch, mask_method
 from train.core.atomic import publish_dir, write_json, write_text
 from train.core.errors import UserError
 
@@ -134,10 +134,27 @@ def _read_source(
                 "key": key,
                 "roles": [m["role"] for m in msgs],
                 "contents": [m["content"] for m in msgs],
+                "extras": _extras(msgs),
             }
         )
     bar.close()
     return rows, n_read, n_row_skips
+
+
+def _extras(msgs: list[dict]) -> str:
+    """Each turn's fields beyond role and content (tool calls, tool_call_id, reasoning) as one
+    JSON list, or "" for a plain chat (most rows: nothing to store or parse)."""
+    extra = [{k: v for k, v in m.items() if k not in ("role", "content")} for m in msgs]
+    return json.dumps(extra, ensure_ascii=False) if any(extra) else ""
+
+
+def _messages(roles: list[str], contents: list[str], extras: str | None) -> list[dict]:
+    """read_conversations' row fields -> messages (inverse of _extras)."""
+    msgs = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
+    if extras:
+        for m, e in zip(msgs, json.loads(extras), strict=True):
+            m.update(e)
+    return msgs
 
 
 def read_mixture(data: DataConfig, skips: SkipLog, seed: int) -> tuple[list[dict], dict]:
@@ -253,11 +270,19 @@ def _is_validation(key: str, seed: int, fraction: float) -> bool:
 
 def _tokenize_batch(batch: dict[str, list], tokenizer, cfg: dict) -> dict[str, list]:
     """datasets.map worker: conversations -> zero or more samples each, plus skip reasons."""
+    extras = batch.get("extras") or [""] * len(batch["roles"])  # regenerated rows have none
     convs = [
-        [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
-        for roles, contents in zip(batch["roles"], batch["contents"], strict=True)
+        _messages(roles, contents, e)
+        for roles, contents, e in zip(batch["roles"], batch["contents"], extras, strict=True)
     ]
-    encoded = encode_batch(tokenizer, convs, tuple(cfg["loss_roles"]))
+    encoded = encode_batch(
+        tokenizer,
+        convs,
+        tuple(cfg["loss_roles"]),
+        reasoning=cfg["reasoning"],
+        last_turn_only=cfg["train_only_last_turn"],
+        method=cfg["mask_method"],
+    )
     out: dict[str, list] = {k: [] for k in _features()}  # one list per column
     for cid, key, enc in zip(batch["conv_id"], batch["key"], encoded, strict=True):
         split = "validation" if _is_validation(key, cfg["seed"], cfg["val_fraction"]) else "train"
@@ -390,6 +415,7 @@ def tokenize(rows: list[dict], tokenizer, cfg: PrepConfig):
         num_proc = 1  # process start-up would cost more than it saves
     raw = datasets.Dataset.from_list(rows)
     map_cfg = {**cfg.data.model_dump(), "seed": cfg.seed}  # plain values: pickled to workers
+    map_cfg["mask_method"] = mask_method(tokenizer, tuple(cfg.data.loss_roles))
     tok = raw.map(
         _tokenize_batch,
         batched=True,
@@ -481,7 +507,16 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
         from train.core.base import load_base
 
         with _timed(timing, "regenerate_s"):
-            base = load_base(cfg.base, device=_regen_device(cfg.regen.device))
+            if cfg.regen.backend == "openai":  # the server runs the model; the tokenizer here
+                from types import SimpleNamespace
+
+                from train.core.base import load_tokenizer
+
+                base = SimpleNamespace(
+                    cfg=cfg.base, tokenizer=load_tokenizer(cfg.base), config=None
+                )
+            else:
+                base = load_base(cfg.base, device=_regen_device(cfg.regen.device))
             rows = regenerate(rows, base, cfg.regen, partial / "regen", cfg.seed, skips)
         if not rows:
             raise PrepError(
@@ -501,7 +536,7 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
         with _timed(timing, "cache_hidden_s"):
             device = _regen_device(cfg.cache_device)
             dd = cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device)
-    stats = _stats(cfg, read_info, skips, kept, dd, conv_lengths)
+    stats = _stats(cfg, read_info, skips, kept, dd, conv_lengths, tokenizer)
     build = partial / f"build-{os.getpid()}"
     shutil.rmtree(build, ignore_errors=True)
     with _timed(timing, "save_s"):
@@ -525,7 +560,7 @@ def _regen_device(device: str) -> str:
     return device
 
 
-def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths: list[int]) -> dict:
+def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths: list[int], tokenizer) -> dict:
     per_split = {}
     for split, part in dd.items():
         per_split[split] = {
@@ -561,6 +596,10 @@ def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths: list[int]) ->
         "long_conversations": cfg.data.long_conversations,
         "packed": cfg.data.pack,
         "regenerated": cfg.regenerate,
+        # how loss_mask was found: the template's {% generation %} blocks, or rendered spans
+        "mask_method": mask_method(tokenizer, tuple(cfg.data.loss_roles)),
+        "reasoning": cfg.data.reasoning,
+        "train_only_last_turn": cfg.data.train_only_last_turn,
         "cached_hidden": cfg.cache_hidden,
         "tokens_total": sum(s["tokens"] for s in per_split.values()),
         "trainable_tokens_total": sum(s["trainable_tokens"] for s in per_split.values()),

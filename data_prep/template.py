@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import bisect
+import json
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,8 +42,16 @@ def loss_spans(
     assistant header. Trailing whitespace after the end-of-turn token is left out. This works
     for any template whose renderings of a growing conversation are prefixes of each other.
     """
+    text, spans, user_starts = _turn_spans(tokenizer, messages, loss_roles)
+    return text, [(a, b) for _, a, b in spans], user_starts
+
+
+def _turn_spans(
+    tokenizer, messages: list[dict], loss_roles: tuple[str, ...]
+) -> tuple[str, list[tuple[int, int, int]], list[int]]:
+    """loss_spans() with each span's message index: (text, [(i, start, end)], user starts)."""
     text = render(tokenizer, messages)
-    spans: list[tuple[int, int]] = []
+    spans: list[tuple[int, int, int]] = []
     user_starts: list[int] = []
     prev = ""  # rendering of messages[:i]
     for i, m in enumerate(messages):
@@ -59,7 +69,7 @@ def loss_spans(
                 )
             end = len(full.rstrip())
             if end > len(head):
-                spans.append((len(head), end))
+                spans.append((i, len(head), end))
         prev = full
     return text, spans, user_starts
 
@@ -110,7 +120,7 @@ def _skeleton(tokenizer, roles: tuple[str, ...], loss_roles: tuple[str, ...]):
             _SKELETONS.clear()
         msgs = [{"role": r, "content": _PLACEHOLDER.format(i)} for i, r in enumerate(roles)]
         try:
-            text, spans, starts = loss_spans(tokenizer, msgs, loss_roles)
+            text, spans, starts = _turn_spans(tokenizer, msgs, loss_roles)
             pos = [text.find(m["content"]) for m in msgs]
             ok = all(p >= 0 for p in pos) and pos == sorted(pos)
             ok = ok and all(text.count(m["content"]) == 1 for m in msgs)
@@ -121,13 +131,22 @@ def _skeleton(tokenizer, roles: tuple[str, ...], loss_roles: tuple[str, ...]):
 
 
 def _fast_spans(tokenizer, messages, loss_roles):
-    """loss_spans() from a cached skeleton plus one render; None when it does not apply.
+    """loss_spans() from a cached skeleton plus one render; None when it does not apply."""
+    r = _fast_turn_spans(tokenizer, messages, loss_roles)
+    return None if r is None else (r[0], [(a, b) for _, a, b in r[1]], r[2])
+
+
+def _fast_turn_spans(tokenizer, messages, loss_roles):
+    """_turn_spans() from a cached skeleton plus one render; None when it does not apply.
 
     Chat templates are usually content-independent: the real text is the skeleton with each
     placeholder replaced by its content, so every char position shifts by the length change of
     the placeholders before it. One render of the real conversation verifies that assumption
-    (templates that trim or inspect content fail it and take the exact path).
+    (templates that trim or inspect content fail it and take the exact path). Turns with more
+    than role and content (tool calls, reasoning) always take the exact path.
     """
+    if any(len(m) != 2 for m in messages):
+        return None
     sk = _skeleton(tokenizer, tuple(m["role"] for m in messages), loss_roles)
     if sk is None:
         return None
@@ -150,12 +169,12 @@ def _fast_spans(tokenizer, messages, loss_roles):
         return x + int(cum[bisect.bisect_right(ends, x)])
 
     spans = []
-    for a, b in sk_spans:
+    for i, a, b in sk_spans:
         a2, b2 = shift(a), shift(b)
         while b2 > a2 and text[b2 - 1].isspace():  # as loss_spans: no trailing whitespace
             b2 -= 1
         if b2 > a2:
-            spans.append((a2, b2))
+            spans.append((i, a2, b2))
     return text, spans, [shift(x) for x in sk_starts]
 
 
@@ -178,16 +197,141 @@ def _mask_from_encoding(text: str, enc, spans: list[tuple[int, int]]) -> list[in
     return mask
 
 
+MASK_METHODS = ("generation", "spans")
+REASONING_MODES = ("train", "mask", "drop")
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_READS_REASONING = re.compile(r"\b(reasoning_content|thinking)\b")
+_CLOSING_TAG = re.compile(r"\s*</[^<>\s]{1,32}>\s*|\s+")
+
+
+def mask_method(tokenizer, loss_roles: tuple[str, ...] = ("assistant",)) -> str:
+    """How loss spans are found: "generation" when the chat template marks assistant output
+    with `{% generation %}` blocks (what transformers' `return_assistant_tokens_mask` reads) and
+    only assistant turns carry loss; otherwise "spans" (rendering growing prefixes)."""
+    template = getattr(tokenizer, "chat_template", None)
+    marked = isinstance(template, str) and _GENERATION.search(template) is not None
+    return "generation" if marked and tuple(loss_roles) == ("assistant",) else "spans"
+
+
+def template_messages(tokenizer, messages: list[dict], reasoning: str = "train") -> list[dict]:
+    """The messages as the chat template gets them. reasoning=drop removes reasoning. A template
+    that does not read `reasoning_content` gets it inlined as a leading `<think>` block of the
+    reply, and one that does not read `tool_calls` gets the calls appended to the reply as
+    `<tool_call>{json}</tool_call>` (Hermes / Qwen style): otherwise they would vanish."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    inline_reasoning = not _READS_REASONING.search(template)
+    inline_calls = "tool_calls" not in template
+    out = []
+    for m in messages:
+        if len(m) == 2:  # a plain turn: role and content
+            out.append(m)
+            continue
+        m = dict(m)
+        if inline_calls and m.get("tool_calls"):
+            calls = [
+                "<tool_call>\n" + json.dumps(c["function"], ensure_ascii=False) + "\n</tool_call>"
+                for c in m.pop("tool_calls")
+            ]
+            m["content"] = "\n".join([m["content"]] * bool(m["content"]) + calls)
+        r = m.pop("reasoning_content", None) if reasoning == "drop" or inline_reasoning else None
+        if r and reasoning != "drop":
+            m["content"] = f"<think>\n{r}\n</think>\n\n{m['content']}"
+        out.append(m)
+    return out
+
+
+def _generation_spans(
+    tokenizer, messages: list[dict]
+) -> tuple[str, list[tuple[int, int, int]], list[int]]:
+    """_turn_spans() from the template's own `{% generation %}` blocks, one per assistant turn
+    in order (as transformers' `apply_chat_template(return_assistant_tokens_mask=True)`).
+    A user turn after an assistant turn starts, for splitting, where that turn's block ends
+    (whitespace skipped)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        rendered, indices = render_jinja_template(
+            conversations=[messages],
+            chat_template=tokenizer.chat_template,
+            return_assistant_tokens_mask=True,
+            **tokenizer.special_tokens_map,
+        )
+    except Exception as e:  # a template that raises on this conversation (jinja's own errors)
+        raise TemplateError(f"the chat template fails on this conversation: {e}") from e
+    text, blocks = rendered[0], indices[0]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(blocks) != len(turns):
+        raise TemplateError(
+            f"the chat template's {{% generation %}} blocks ({len(blocks)}) do not match the "
+            f"assistant turns ({len(turns)}), so reply tokens cannot be assigned to turns"
+        )
+    spans = [(i, a, b) for i, (a, b) in zip(turns, blocks, strict=True) if b > a]
+    ends = dict(zip(turns, (b for _, b in blocks), strict=True))
+    user_starts = []
+    for i, m in enumerate(messages):
+        if m["role"] == "user" and i > 0 and messages[i - 1]["role"] == "assistant":
+            p = ends[i - 1]
+            user_starts.append(p + len(text[p:]) - len(text[p:].lstrip()))
+    return text, spans, user_starts
+
+
+def select_spans(
+    text: str,
+    messages: list[dict],
+    spans: list[tuple[int, int, int]],
+    reasoning: str = "train",
+    last_turn_only: bool = False,
+) -> list[tuple[int, int]]:
+    """The char spans that carry loss, from per-message spans (i, start, end).
+
+    last_turn_only: only messages after the last user turn (the final reply, with its tool
+    calls and the replies after their results). reasoning=mask: the span of a turn with
+    reasoning starts after the reasoning block (its text, then a closing tag such as
+    `</think>` and whitespace), so the reasoning and its tags are context only.
+    """
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    out = []
+    for i, a, b in spans:
+        if last_turn_only and i < last_user:
+            continue
+        r = messages[i].get("reasoning_content") if reasoning == "mask" else None
+        p = text.find(r, a, b) if r else -1
+        if p >= 0:
+            tag = _CLOSING_TAG.match(text, p + len(r))
+            a = min(b, tag.end() if tag else p + len(r))
+        if b > a:
+            out.append((a, b))
+    return out
+
+
 def encode_batch(
-    tokenizer, conversations: list[list[dict[str, str]]], loss_roles: tuple[str, ...]
+    tokenizer,
+    conversations: list[list[dict]],
+    loss_roles: tuple[str, ...],
+    reasoning: str = "train",
+    last_turn_only: bool = False,
+    method: str | None = None,
 ) -> list[Encoded | TemplateError]:
-    """Tokenize many conversations in one fast-tokenizer call and build their loss masks."""
+    """Tokenize many conversations in one fast-tokenizer call and build their loss masks.
+
+    `method` (default: mask_method()) is "generation" or "spans"; `reasoning` (train, mask,
+    drop) and `last_turn_only` as select_spans() and template_messages().
+    """
+    if reasoning not in REASONING_MODES:
+        raise ValueError(f"reasoning={reasoning!r}: one of {', '.join(REASONING_MODES)}")
+    method = method or mask_method(tokenizer, loss_roles)
     rendered: list[tuple[str, list, list] | TemplateError] = []
     for msgs in conversations:
+        tmsgs = template_messages(tokenizer, msgs, reasoning)
         try:
-            rendered.append(
-                _fast_spans(tokenizer, msgs, loss_roles) or loss_spans(tokenizer, msgs, loss_roles)
-            )
+            if method == "generation":
+                text, spans, starts = _generation_spans(tokenizer, tmsgs)
+            else:
+                text, spans, starts = _fast_turn_spans(tokenizer, tmsgs, loss_roles) or _turn_spans(
+                    tokenizer, tmsgs, loss_roles
+                )
+            spans = select_spans(text, msgs, spans, reasoning, last_turn_only)
+            rendered.append((text, spans, starts))
         except TemplateError as e:
             rendered.append(e)
     texts = [r[0] for r in rendered if not isinstance(r, TemplateError)]
