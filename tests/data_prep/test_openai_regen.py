@@ -87,18 +87,24 @@ def _replies(out: Path) -> dict[str, str]:
     }
 
 
-def test_openai_regen_is_concurrent_and_resumes_after_a_kill_to_the_same_bytes(tmp_path):
-    data = _data(tmp_path)
-    with server(tmp_path, "--delay", "0.3") as (url, stats):
-        r = run_here("prep", *_args(data, url, tmp_path / "ref"))
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(the chats, their uninterrupted regeneration through a healthy server): once."""
+    root = tmp_path_factory.mktemp("openai_ref")
+    data = _data(root)
+    with server(root, "--delay", "0.3") as (url, stats):
+        r = run_here("prep", *_args(data, url, root / "ref"))
         assert r.returncode == 0, r.stderr[-3000:]
         assert stats()["max_in_flight"] >= 2  # regen.concurrency=4 requests overlapped
-        replies = _replies(tmp_path / "ref")
-        assert len(replies) == 8 and not any("ORIGINAL" in t for t in replies.values())
-        assert all(
-            t.endswith("<|im_end|>") and len(t) > len("<|im_end|>") for t in replies.values()
-        )
+    return data, root / "ref"
 
+
+def test_openai_regen_is_concurrent_and_resumes_after_a_kill_to_the_same_bytes(tmp_path, reference):
+    data, ref = reference
+    replies = _replies(ref)
+    assert len(replies) == 8 and not any("ORIGINAL" in t for t in replies.values())
+    assert all(t.endswith("<|im_end|>") and len(t) > len("<|im_end|>") for t in replies.values())
+    with server(tmp_path) as (url, _):
         out = tmp_path / "resumed"
         proc = subprocess.Popen(
             [sys.executable, "-m", "launch", "prep", *_args(data, url, out, "regen.concurrency=1")],
@@ -114,14 +120,12 @@ def test_openai_regen_is_concurrent_and_resumes_after_a_kill_to_the_same_bytes(t
         assert not (shards / "shard-00003.jsonl").exists() and not out.exists()
         r = run_here("prep", *_args(data, url, out))
         assert r.returncode == 0, r.stderr[-3000:]
-    assert _digest(out) == _digest(tmp_path / "ref")
+    assert _digest(out) == _digest(ref)
 
 
-def test_flaky_replies_are_retried_and_empty_ones_counted_not_written(tmp_path):
-    data = _data(tmp_path)
-    with server(tmp_path) as (url, _):
-        assert run_here("prep", *_args(data, url, tmp_path / "ref")).returncode == 0
-    ref = _replies(tmp_path / "ref")
+def test_flaky_replies_are_retried_and_empty_ones_counted_not_written(tmp_path, reference):
+    data, ref_out = reference
+    ref = _replies(ref_out)
     flags = ("--malformed-every", "3", "--fail-every", "5", "--empty-if", "hello 5")
     with server(tmp_path, *flags) as (url, stats):
         r = run_here("prep", *_args(data, url, tmp_path / "flaky", "regen.retries=3"))
@@ -133,10 +137,8 @@ def test_flaky_replies_are_retried_and_empty_ones_counted_not_written(tmp_path):
     assert st["skipped"] == {"regen_empty_reply": 1}
 
 
-def test_a_server_that_dies_stops_the_run_and_a_rerun_finishes_it(tmp_path):
-    data = _data(tmp_path)
-    with server(tmp_path) as (url, _):
-        assert run_here("prep", *_args(data, url, tmp_path / "ref")).returncode == 0
+def test_a_server_that_dies_stops_the_run_and_a_rerun_finishes_it(tmp_path, reference):
+    data, ref = reference
     out = tmp_path / "out"
     with server(tmp_path, "--die-after", "5") as (url, _):
         r = run_here("prep", *_args(data, url, out, "regen.concurrency=1", "regen.retries=1"))
@@ -147,7 +149,7 @@ def test_a_server_that_dies_stops_the_run_and_a_rerun_finishes_it(tmp_path):
         r = run_here("prep", *_args(data, url, out))
         assert r.returncode == 0, r.stderr[-3000:]
         assert stats()["requests"] == 4  # only the two unfinished shards
-    assert _digest(out) == _digest(tmp_path / "ref")
+    assert _digest(out) == _digest(ref)
 
 
 @pytest.mark.parametrize(
