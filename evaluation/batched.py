@@ -29,16 +29,11 @@ import time
 
 import torch
 
-from evaluation.decode import Decoder, Generation
+from evaluation.decode import Decoder, Generation, new_cache
 from evaluation.dynamic import grow_dynamic
-from evaluation.kvcache import PreallocatedCache, keep_rows, num_cache_layers, select_rows
-from evaluation.verify import (
-    accept_rejection,
-    accept_typical,
-    base_forward_rows,
-    sample_token,
-    tree_bias,
-)
+from evaluation.kvcache import PreallocatedCache, keep_rows, pad_nodes, select_rows
+from evaluation.verify import base_forward_rows, sample_token, tree_bias
+from train.heads import KVCache
 
 
 class _Batch:
@@ -86,13 +81,9 @@ def _caches(dec: Decoder, longest: int, max_new: int, nodes: int):
     """The base's and the heads' caches for a batch. A row's length never passes
     longest + max_new + nodes; a forward writes up to `nodes` more after the longest row."""
     if dec.kv_cache == "dynamic":
-        from transformers import DynamicCache
-
-        from train.heads import KVCache
-
-        return DynamicCache(config=dec.model.config), KVCache()
+        return new_cache(dec.model), KVCache()
     need = longest + max_new + 2 * nodes + 2
-    return PreallocatedCache(num_cache_layers(dec.model), need), PreallocatedCache(1, need)
+    return new_cache(dec.model, need), PreallocatedCache(1, need)
 
 
 @torch.no_grad()
@@ -106,16 +97,13 @@ def _prefill(dec: Decoder, ids: list[torch.Tensor], max_new: int, nodes: int) ->
         tokens[b, : x.numel()] = x
     st = _Batch(*_caches(dec, Pm, max_new, nodes), P.clone(), Pm)
     pos = torch.arange(Pm, device=dev).expand(B, Pm)
-    mask = _key_mask(P, Pm, Pm, dec.dtype) + _causal(Pm, dec.dtype, dev)
-    mask = mask.clamp_min(torch.finfo(dec.dtype).min)
-    final, hid = base_forward_rows(dec.model, tokens, pos, st.cache, mask, dec.offset)
+    # plain causal attention, as at batch 1: a real token never sees the padding after it
+    # (only padding does, and its outputs are unused); later steps hide it by row length
+    final, hid = base_forward_rows(dec.model, tokens, pos, st.cache, None, dec.offset)
     last = torch.arange(B, device=dev), P - 1
     st.roots = _next_tokens(dec, final[last])
     if dec.heads is not None:
-        hmask = (_key_mask(P, Pm, Pm, torch.float32) + _causal(Pm, torch.float32, dev)).clamp_min(
-            torch.finfo(torch.float32).min
-        )
-        ctx = dec.heads.context(hid.float(), cache=st.head_cache, positions=pos, mask=hmask)
+        ctx = dec.heads.context(hid.float(), cache=st.head_cache, positions=pos)
         st.ctx = ctx[last]
     st.rows = list(range(B))
     return st
@@ -132,7 +120,8 @@ def _next_tokens(dec: Decoder, final: torch.Tensor) -> list[int]:
 
 def _leave(st: _Batch, done: list[int]) -> None:
     """Rows `done` (batch indices) leave the batch: caches, lengths and contexts shrink."""
-    keep = [i for i in range(len(st.rows)) if i not in set(done)]
+    ended = set(done)
+    keep = [i for i in range(len(st.rows)) if i not in ended]
     idx = torch.tensor(keep, device=st.lengths.device)
     st.lengths = st.lengths[idx]
     st.start = int(st.lengths.max())
@@ -237,28 +226,12 @@ def _propose(dec: Decoder, st: _Batch) -> tuple[list, torch.Tensor, torch.Tensor
 def _accept_rows(dec: Decoder, trees, tokens: torch.Tensor, final: torch.Tensor):
     """Each row's accepted nodes and bonus token. Greedy walks every row down its tree at once:
     one output projection of one node per row and depth."""
-    s, B = dec.sampling, len(trees)
-    if s.acceptance != "greedy":
-        out = []
-        for b in range(B):
-            logits = lambda nodes, b=b: dec.model.lm_head(final[b, nodes])  # noqa: E731
-            if s.acceptance == "rejection":
-                out.append(
-                    accept_rejection(trees[b], tokens[b], logits, s.temperature, dec.generator)
-                )
-            else:
-                out.append(
-                    accept_typical(
-                        trees[b],
-                        tokens[b],
-                        logits,
-                        s.temperature,
-                        s.posterior_threshold,
-                        s.posterior_alpha,
-                        dec.generator,
-                    )
-                )
-        return out
+    B = len(trees)
+    if dec.sampling.acceptance != "greedy":  # the batch-1 rules, row by row (padding cut)
+        return [
+            dec._accept(t, tokens[b, : t.num_nodes], final[b, : t.num_nodes])
+            for b, t in enumerate(trees)
+        ]
     toks = tokens.tolist()
     cur, nodes, bonus = [0] * B, [[0] for _ in range(B)], [0] * B
     active = list(range(B))
@@ -316,10 +289,8 @@ def speculative_batch(dec: Decoder, prompts, max_new_tokens: int) -> list[Genera
         start = st.start
         st.start = keep_rows(st.cache, st.lengths, start, nodes)
         # the heads' context over each row's accepted nodes (padded to the longest path)
-        n = torch.tensor([x.numel() for x in nodes], device=dev)
-        m = int(n.max())
-        col = torch.minimum(torch.arange(m, device=dev)[None], (n - 1)[:, None])
-        picked = torch.stack([x[col[b]] for b, x in enumerate(nodes)])  # (B, m)
+        n, _, picked = pad_nodes(nodes, dev)  # (B,), (B, m)
+        m = picked.shape[1]
         rows = torch.arange(len(nodes), device=dev)[:, None]
         h = hid.float()[rows, picked]
         hpos = st.lengths[:, None] + torch.arange(m, device=dev)[None]

@@ -164,32 +164,32 @@ def _set_length(layer, length: int) -> None:
         layer.values = layer.values[:, :, :length]
 
 
+def pad_nodes(nodes: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of accepted nodes of different lengths as one (B, m) tensor: (n (B,) lengths,
+    col (B, m) column indices, padded (B, m) nodes). A shorter row repeats its last node."""
+    n = torch.tensor([int(x.numel()) for x in nodes], device=device)
+    col = torch.minimum(torch.arange(int(n.max()), device=device)[None], (n - 1)[:, None])
+    padded = torch.stack([x.to(device)[col[b]] for b, x in enumerate(nodes)])
+    return n, col, padded
+
+
 def keep_rows(cache, lengths: torch.Tensor, start: int, nodes: list[torch.Tensor]) -> int:
     """Batched keep_accepted. Row b holds [0, lengths[b]) and wrote its tree at [start,
     start + N); it keeps its accepted nodes `nodes[b]` (ascending, root first), moved to
     [lengths[b], lengths[b] + n_b). Returns the new write position, max_b(lengths + n_b).
     Each row's few entries move in one gather / scatter per tensor."""
-    B = len(nodes)
-    n = torch.tensor([int(x.numel()) for x in nodes], device=lengths.device)
-    m = int(n.max())
-    ar = torch.arange(m, device=lengths.device)
-    # shorter rows repeat their last node into their last slot: same value, same place
-    col = torch.minimum(ar[None], (n - 1)[:, None])  # (B, m)
-    padded = torch.stack([x.to(lengths.device)[col[b]] for b, x in enumerate(nodes)])
-    src = start + padded
-    dst = lengths[:, None] + col
+    # a shorter row repeats its last node into its last slot: same value, same place
+    n, col, padded = pad_nodes(nodes, lengths.device)
+    src, dst = start + padded, lengths[:, None] + col
     new_start = int((lengths + n).max())
-    if not torch.equal(src, dst):
-        for layer in cache.layers:
-            tensors = _layer_tensors(layer)
-            if tensors is None:
-                continue
-            for t in tensors:
-                H, D = t.shape[1], t.shape[3]
-                s_idx = src[:, None, :, None].expand(B, H, m, D).to(t.device)
-                d_idx = dst[:, None, :, None].expand(B, H, m, D).to(t.device)
-                t.scatter_(2, d_idx, t.gather(2, s_idx))  # gather copies first: overlap is safe
+    moved = not torch.equal(src, dst)
     for layer in cache.layers:
+        tensors = _layer_tensors(layer) if moved else None
+        for t in tensors or ():
+            B, H, _, D = t.shape
+            s_idx = src[:, None, :, None].expand(B, H, -1, D).to(t.device)
+            d_idx = dst[:, None, :, None].expand(B, H, -1, D).to(t.device)
+            t.scatter_(2, d_idx, t.gather(2, s_idx))  # gather copies first: overlap is safe
         _set_length(layer, new_start)
     return new_start
 

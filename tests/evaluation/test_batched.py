@@ -68,15 +68,18 @@ def test_batch_times_add_up_to_the_batch(tiny_base):
     assert max(shares) == pytest.approx(min(shares))
 
 
-def test_batched_sampling_near_zero_temperature_is_greedy(tiny_base):
-    """The per-row rejection and typical rules read their own row's logits: at a temperature
-    close to 0 they pick the argmax, like greedy decoding."""
+@pytest.mark.parametrize("tree", ["branching", "dynamic"])
+def test_batched_sampling_near_zero_temperature_is_greedy(tiny_base, tree):
+    """The per-row rejection and typical rules read their own row's logits (and only its own
+    tree's nodes, not a dynamic batch's padding): at a temperature close to 0 they pick the
+    argmax, like greedy decoding."""
     model, ids = tiny_base.model, _ids(tiny_base.tokenizer)
     heads = make_heads(model, "hydra_pp", 1, 0.02)
     greedy = [Decoder(model, set(), heads).plain(x, 20).tokens for x in ids]
     for acceptance in ("rejection", "typical"):
         sampling = SamplingConfig(1e-4, acceptance, 0, 0.09, 0.3)
-        dec = Decoder(model, set(), heads, Tree.from_paths(branching([2, 2])), sampling)
+        spec = TREES[tree]() if tree == "dynamic" else Tree.from_paths(branching([2, 2]))
+        dec = Decoder(model, set(), heads, spec, sampling)
         assert [g.tokens for g in speculative_batch(dec, ids, 20)] == greedy
 
 
