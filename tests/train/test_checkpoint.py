@@ -33,7 +33,7 @@ def test_save_load_round_trip(tmp_path, tiny_base, name):
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    save_heads(tmp_path / "h", heads, heads_meta(heads, tiny_base.fingerprint(), {"name": "tiny"}))
+    save_heads(tmp_path / "h", heads, heads_meta(heads, tiny_base.fingerprint(), tiny_base.cfg))
     assert {p.name for p in (tmp_path / "h").iterdir()} == {
         "heads.safetensors",
         "heads_config.json",
@@ -52,7 +52,7 @@ def test_loading_onto_another_base_names_both_shapes(tmp_path, tiny_base):
     heads = build_heads(
         head_config("hydra", num_heads=2), base_shape(tiny_base.config), tiny_base.lm_head.weight
     )
-    save_heads(tmp_path / "h", heads, heads_meta(heads, tiny_base.fingerprint(), {"name": "tiny"}))
+    save_heads(tmp_path / "h", heads, heads_meta(heads, tiny_base.fingerprint(), tiny_base.cfg))
     other = dict(tiny_base.fingerprint(), hidden_size=576, vocab_size=49152, name="smollm2_135m")
     with pytest.raises(HeadsMismatchError) as e:
         load_heads(tmp_path / "h", other)

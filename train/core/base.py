@@ -16,8 +16,8 @@ from pydantic import model_validator
 from torch import nn
 
 from train.core.atomic import staged_dir, write_json
-from train.core.config import ConfigModel, Positive, fail, group_defaults, validate
-from train.core.errors import UserError
+from train.core.config import ConfigModel, Positive, fail, validate
+from train.core.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,19 @@ class BaseConfig(ConfigModel):
         return self
 
 
-def recorded_base(recorded: dict[str, Any]) -> BaseConfig:
-    """A base config recorded by an earlier run (in heads_config.json), completed with today's
-    conf/base/_shared.yaml for keys it predates."""
-    return validate(BaseConfig, {**group_defaults("base", "_shared"), **recorded}, prefix="base")
+def recorded_base(recorded: dict[str, Any], where: str | Path | None = None) -> BaseConfig:
+    """The base config recorded in a heads checkpoint (`meta["base"]["config"]`, as `read_meta`
+    returns it: migrated to the current format, so every key is there). Composes no config.
+
+    `where`: the file it was read from, for the error an incomplete record gives."""
+    try:
+        return validate(BaseConfig, recorded, prefix="base")
+    except ConfigError as e:
+        src = where or "the heads checkpoint"
+        raise ConfigError(
+            f"the base config recorded in {src} is incomplete or invalid: {e}; pass base=NAME "
+            "to choose the base model, or re-export or retrain the heads"
+        ) from None
 
 
 def cache_root() -> Path:

@@ -105,9 +105,16 @@ def _read_json(path: Path) -> dict:
 def _load_state(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a `.safetensors` file, or of a `torch.save`d plain state dict."""
     if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(str(path))
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise FormatError(
+                f"{path} is truncated or corrupt ({type(e).__name__}: {e}); copy or download it "
+                "again, or export it again from the checkpoint it came from"
+            ) from None
     try:  # weights_only: a checkpoint from elsewhere must not run code when read
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # any unpickling failure means "not a plain state dict"

@@ -13,7 +13,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from train.core.checkpoint import CONFIG_FILE, FORMAT, HEADS_FILE
+from train.core.checkpoint import (
+    CONFIG_FILE,
+    FORMAT,
+    FORMAT_NAME,
+    HEADS_FILE,
+    check_keys,
+    migrate,
+)
 from train.core.errors import NotFound
 from train.export.common import FormatError, _load_state, _Parsed, _read_json, _SameAs
 from train.export.model_card import model_card
@@ -47,19 +54,23 @@ def files(
 
 def read(src: Path) -> _Parsed:
     """The hf export in directory `src`, in our terms, with the base and meta it records."""
-    config = _read_json(src / "config.json")
+    where = src / "config.json"
+    config = _read_json(where)
     meta = {k: v for k, v in config.items() if k not in HF_KEYS}
-    if meta.get("format") != FORMAT:
+    fmt = meta.get("format")
+    if not (isinstance(fmt, str) and fmt.startswith(f"{FORMAT_NAME}/")):
         raise FormatError(
             f"{src / 'config.json'} is not a hydra-heads hf export (format = "
             f"{meta.get('format')!r}, expected {FORMAT!r}); zankner/Hydra heads are "
             "format=hydra, Medusa heads (vLLM, FasterDecoding) format=medusa"
         )
+    meta = migrate(meta, where)  # an export of an older format, brought up to date
+    check_keys(meta, where)
     weights = src / "model.safetensors"
     if not weights.is_file():
         raise NotFound(f"{weights} not found")
     return _Parsed(
-        head=recorded_head(meta["head"]),
+        head=recorded_head(meta["head"], where),
         hidden_size=int(meta["hidden_size"]),
         vocab_size=int(meta["vocab_size"]),
         state=_load_state(weights),

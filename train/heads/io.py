@@ -7,21 +7,34 @@ from typing import Any
 
 import torch
 
+from train.core.base import BaseConfig
 from train.core.checkpoint import (
+    CONFIG_FILE,
     FORMAT,
+    HEADS_FILE,
+    CheckpointError,
     HeadsMismatchError,
     check_base,
     read_meta,
     read_weights,
     write_checkpoint,
 )
-from train.core.config import group_defaults, validate
+from train.core.config import validate
+from train.core.errors import ConfigError
 from train.heads.config import HeadConfig
 from train.heads.headset import HeadSet
 
 
-def heads_meta(heads: HeadSet, base_fingerprint: dict, base_cfg: dict, **extra: Any) -> dict:
-    """Everything needed to rebuild `heads` and to check the base it belongs to."""
+def heads_meta(
+    heads: HeadSet, base_fingerprint: dict, base_cfg: BaseConfig | dict, **extra: Any
+) -> dict:
+    """Everything needed to rebuild `heads` and to check the base it belongs to, in full: the
+    whole head config and the whole base config (`{}`: none recorded), so that loading them
+    composes no config. A base config missing keys fails here, not when it is loaded."""
+    if isinstance(base_cfg, BaseConfig):
+        base_cfg = base_cfg.to_dict()
+    elif base_cfg:
+        base_cfg = validate(BaseConfig, base_cfg, prefix="base").to_dict()
     return {
         "format": FORMAT,
         "arch": heads.arch,
@@ -39,8 +52,6 @@ def heads_meta(heads: HeadSet, base_fingerprint: dict, base_cfg: dict, **extra: 
     }
 
 
-# What a checkpoint from before a key existed was trained with (not today's defaults).
-LEGACY = {"tie_blocks": False, "init": "ours"}
 # Hydra++ checkpoints whose extra layer had no final RMSNorm (hydra-heads before the official
 # prefix-mlp layer) hold these names; no weights of today's layer compute what they did.
 OLD_HYDRA_PP = "prefix.attn_norm.weight"
@@ -51,20 +62,28 @@ def save_heads(directory: str | Path, heads: HeadSet, meta: dict) -> Path:
     return write_checkpoint(directory, heads.unique_state(), meta)
 
 
-def recorded_head(recorded: dict[str, Any]) -> HeadConfig:
-    """The head config of a checkpoint: keys its hydra-heads version did not have yet take
-    the value it trained with (LEGACY), then conf/head/<name>.yaml's."""
-    name = recorded.get("name")
-    defaults = group_defaults("head", name) if name in ("medusa", "hydra", "hydra_pp") else {}
-    loss = {**defaults.get("loss", {}), **recorded.get("loss", {})}
-    data = {**defaults, **LEGACY, **recorded, "loss": loss}
-    return validate(HeadConfig, data, prefix="head")
+def recorded_head(recorded: dict[str, Any], where: str | Path = "heads_config.json") -> HeadConfig:
+    """The head config recorded in a checkpoint's meta (current format: every key present, see
+    `train.core.checkpoint.migrate` for older ones). Composes no config."""
+    try:
+        return validate(HeadConfig, recorded, prefix="head")
+    except ConfigError as e:
+        raise CheckpointError(
+            f"{where} records an incomplete or invalid head config: {e}; re-export or retrain "
+            "the heads (`hydra-heads train ...`), or copy the checkpoint directory again"
+        ) from None
 
 
 def build_from(
-    cfg: HeadConfig, meta_shape: dict, hidden_size: int, vocab_size: int, state: dict
+    cfg: HeadConfig,
+    meta_shape: dict,
+    hidden_size: int,
+    vocab_size: int,
+    state: dict,
+    where: str | Path = "the heads weights",
 ) -> HeadSet:
-    """Heads of `cfg` holding exactly the weights `state` (names as in our checkpoints)."""
+    """Heads of `cfg` holding exactly the weights `state` (names as in our checkpoints, read
+    from `where`)."""
     from train.heads import build_heads
 
     if cfg.name == "hydra_pp" and OLD_HYDRA_PP in state:
@@ -78,7 +97,14 @@ def build_from(
     shape = {**meta_shape, "hidden_size": hidden_size, "vocab_size": vocab_size}
     placeholder = torch.empty(vocab_size, hidden_size)
     heads = build_heads(cfg, shape, placeholder, state.get("draft.to_full"))
-    heads.load_unique_state(state)
+    try:
+        heads.load_unique_state(state)
+    except RuntimeError as e:  # load_state_dict: missing, unexpected or misshapen tensors
+        raise CheckpointError(
+            f"{where} does not hold the tensors of the {cfg.name} heads its {CONFIG_FILE} "
+            f"describes ({e}); the two files do not belong together: re-export or retrain "
+            "the heads, or copy the checkpoint directory again"
+        ) from None
     return heads
 
 
@@ -89,11 +115,13 @@ def load_heads(
     meta = read_meta(directory)
     if fingerprint is not None:
         check_base(meta, fingerprint, str(directory))
+    cfg = recorded_head(meta["head"], Path(directory) / CONFIG_FILE)
     heads = build_from(
-        recorded_head(meta["head"]),
+        cfg,
         meta["base_shape"],
         meta["hidden_size"],
         meta["vocab_size"],
         read_weights(directory, device),
+        Path(directory) / HEADS_FILE,
     )
     return heads.to(device).eval(), meta
