@@ -13,11 +13,28 @@ from train.core.errors import UserError
 log = logging.getLogger("hydra_heads")
 
 
+def log_to_files(message: str, logger: logging.Logger = log) -> int:
+    """Write `message` as an ERROR record to the log files `logger` reaches (hydra's file
+    handler, `<run dir>/<job>.log`, where the job logging config has one), never to the
+    console: there `run_app` prints the error itself, once. Returns how many files got it."""
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+    written = 0
+    current: logging.Logger | None = logger
+    while current is not None:
+        for handler in current.handlers:
+            if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+                handler.handle(record)
+                written += 1
+        current = current.parent if current.propagate else None
+    return written
+
+
 def run_app(config_name: str, task: Callable[[Any], Any]) -> None:
     """Run `task(cfg)` as a hydra-core app composed from conf/<config_name>.yaml.
 
     Command-line overrides are read from sys.argv by hydra. A `UserError` (bad config, data,
-    files or checkpoints) exits with status 2 and its message, never a traceback.
+    files or checkpoints) exits with status 2 and its message, printed once as `error: ...` on
+    stderr (and kept in the run's log file, if logging writes one), never a traceback.
     """
     import hydra
 
@@ -36,7 +53,8 @@ def run_app(config_name: str, task: Callable[[Any], Any]) -> None:
         try:
             return task(cfg)
         except UserError as e:
-            log.error("%s", e)  # into the run's log too
+            # The console handler would show it a second time beside the `error:` line.
+            log_to_files(str(e))
             fail(e)
 
     _main()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -16,45 +17,112 @@ from train.config import TrainDataConfig
 from train.core.errors import UserError
 
 REQUIRED_COLUMNS = ("input_ids", "loss_mask", "length", "seq_lens")
+# What Lightning warns on a mid-epoch resume unless the DataLoader has state_dict /
+# load_state_dict. Ours needs neither: `PreparedDataModule.train_dataloader` puts the sampler
+# at the exact batch the restored step count says (`resume_position`), so the warning is false.
+NOT_RESUMABLE_WARNING = (
+    "You're resuming from a checkpoint that ended before the epoch ended and your dataloader "
+    "is not resumable"
+)
+
+log = logging.getLogger(__name__)
 
 
 class PreparedDataError(UserError, RuntimeError):
     """data.prepared does not point at a complete, compatible `hydra-heads prep` output."""
 
 
-def load_prepared(path: str | Path, vocab_size: int | None = None, offline: bool = False):
-    """The DatasetDict written by `prep`, checked to be complete and to fit the base's vocab."""
-    import datasets
+def _rerun_prep(p: Path) -> str:
+    return f"re-run `hydra-heads prep ... out={p}` (with the data and base it was made for)"
 
+
+def _read_json(path: Path, p: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PreparedDataError(
+            f"data.prepared={p} is damaged: {path.name} cannot be read ({e}); {_rerun_prep(p)}"
+        ) from None
+
+
+def check_prepared(path: str | Path, offline: bool = False) -> dict[str, Any]:
+    """Check, without reading any Arrow data, that `path` is a complete `prep` output with a
+    train split holding the columns training needs; return its prep_stats.json.
+
+    Cheap (a few small JSON files), so it runs before the base model loads: a wrong path
+    fails in a fraction of a second, not after the seconds (or minutes) a base takes."""
     p = Path(path).expanduser()
     if not p.exists():
         raise PreparedDataError(
-            f"data.prepared={p} does not exist; create it with `hydra-heads prep out={p}`"
+            f"data.prepared={p} does not exist; create it with `hydra-heads prep ... out={p}`"
         )
-    if not (p / "prep_stats.json").is_file() or not (p / "dataset_dict.json").is_file():
+    if not p.is_dir():
         raise PreparedDataError(
-            f"data.prepared={p} is not a complete `hydra-heads prep` output (no prep_stats.json "
-            "or dataset_dict.json; an interrupted prep never publishes one); run prep again"
+            f"data.prepared={p} is a file, not the out= dir of `hydra-heads prep`"
         )
-    dd = datasets.load_from_disk(str(p))
-    if "train" not in dd:
-        raise PreparedDataError(f"data.prepared={p} has no train split ({list(dd)})")
-    missing = [c for c in REQUIRED_COLUMNS if c not in dd["train"].column_names]
+    missing = [n for n in ("prep_stats.json", "dataset_dict.json") if not (p / n).is_file()]
     if missing:
-        raise PreparedDataError(f"data.prepared={p} lacks columns {missing}; re-run prep")
-    if offline and "hidden" not in dd["train"].column_names:
+        raise PreparedDataError(
+            f"data.prepared={p} is not a complete `hydra-heads prep` output (no "
+            f"{' or '.join(missing)}; an interrupted prep never publishes one); {_rerun_prep(p)}"
+        )
+    stats = _read_json(p / "prep_stats.json", p)
+    splits = _read_json(p / "dataset_dict.json", p)
+    splits = splits.get("splits") if isinstance(splits, dict) else None
+    if not isinstance(stats, dict) or not isinstance(splits, list):
+        raise PreparedDataError(
+            f"data.prepared={p} is damaged: prep_stats.json or dataset_dict.json is not what "
+            f"prep writes; {_rerun_prep(p)}"
+        )
+    if "train" not in splits:
+        raise PreparedDataError(f"data.prepared={p} has no train split ({splits})")
+    for split in splits:
+        for name in ("state.json", "dataset_info.json"):
+            if not (p / str(split) / name).is_file():
+                raise PreparedDataError(
+                    f"data.prepared={p} is damaged: {split}/{name} is missing; {_rerun_prep(p)}"
+                )
+    info = _read_json(p / "train" / "dataset_info.json", p)
+    columns = list((info.get("features") or {}) if isinstance(info, dict) else {})
+    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+    if missing:
+        raise PreparedDataError(f"data.prepared={p} lacks columns {missing}; {_rerun_prep(p)}")
+    if offline and "hidden" not in columns:
         raise PreparedDataError(
             f"data.offline=true needs cached hidden states, but {p} has none; prepare with "
             "`hydra-heads prep cache_hidden=true ...` or set data.offline=false"
         )
+    return stats
+
+
+def check_vocab(path: str | Path, vocab_size: int) -> None:
+    """Refuse data whose largest token id does not fit the base's vocab (another tokenizer)."""
+    p = Path(path).expanduser()
+    stats = _read_json(p / "prep_stats.json", p)
+    top = stats.get("max_token_id") if isinstance(stats, dict) else None
+    if top is not None and top >= vocab_size:
+        raise PreparedDataError(
+            f"data.prepared={p} holds token id {top} but the base vocab has {vocab_size} "
+            f"tokens: it was prepared for another tokenizer (base={stats.get('base')})"
+        )
+
+
+def load_prepared(path: str | Path, vocab_size: int | None = None, offline: bool = False):
+    """The DatasetDict written by `prep`, checked to be complete and to fit the base's vocab
+    (when `vocab_size` is given)."""
+    import datasets
+
+    p = Path(path).expanduser()
+    check_prepared(p, offline)
+    try:
+        dd = datasets.load_from_disk(str(p))
+    except Exception as e:  # noqa: BLE001 - any damage in the Arrow files: one clear message
+        raise PreparedDataError(
+            f"data.prepared={p} is damaged and cannot be loaded ({type(e).__name__}: {e}); "
+            f"{_rerun_prep(p)}"
+        ) from None
     if vocab_size is not None:
-        stats = json.loads((p / "prep_stats.json").read_text())
-        top = stats.get("max_token_id")
-        if top is not None and top >= vocab_size:
-            raise PreparedDataError(
-                f"data.prepared={p} holds token id {top} but the base vocab has {vocab_size} "
-                f"tokens: it was prepared for another tokenizer (base={stats.get('base')})"
-            )
+        check_vocab(p, vocab_size)
     return dd
 
 
@@ -246,7 +314,17 @@ class PreparedDataModule(pl.LightningDataModule):
         if t is not None and t.global_step > 0:
             # Resumed run: continue where the checkpoint's optimizer steps left the data.
             per_epoch = epoch_batches(len(sampler), t.limit_train_batches)
-            sampler.resume_at(*resume_position(t.global_step, per_epoch, t.accumulate_grad_batches))
+            epoch, skip = resume_position(t.global_step, per_epoch, t.accumulate_grad_batches)
+            sampler.resume_at(epoch, skip)
+            if rank == 0:
+                log.info(
+                    "resumed data position: step %d -> epoch %d from its batch %d of %d "
+                    "(the batches and order of an uninterrupted run)",
+                    t.global_step,
+                    epoch,
+                    skip,
+                    per_epoch,
+                )
         return self._loader(ds, sampler)
 
     def val_dataloader(self) -> DataLoader | list:

@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import RichProgressBar
 
 from train.config import TrainConfig
 from train.core.atomic import write_json, write_text
 from train.core.base import DeferredBase, FrozenBase, load_base
 from train.core.errors import AlreadyExists, NotFound
-from train.data import PreparedDataModule, load_prepared, token_counts
+from train.data import (
+    NOT_RESUMABLE_WARNING,
+    PreparedDataModule,
+    check_prepared,
+    check_vocab,
+    load_prepared,
+    token_counts,
+)
 from train.heads import base_shape, build_heads, heads_meta, save_heads
 from train.heads.blocks import top_tokens
 from train.module import HeadsModule
@@ -50,6 +60,35 @@ def rewind_finished_epoch(checkpoint: dict) -> bool:
         if t["processed"] == t["started"]:  # the epoch itself was closed too
             t["processed"] -= 1
             t["completed"] = min(t["completed"], t["processed"])
+    return True
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar for a run budgeted in steps (max_epochs=-1): `Epoch N`
+    without the `/-2` that Lightning derives from max_epochs=-1, and `step: n/max_steps`
+    beside the metrics, the figure that says how far the run is."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        # padded to the validation bar's description, as Lightning does (no flicker)
+        return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            items = {"step": f"{trainer.global_step}/{trainer.max_steps}", **items}
+        return items
+
+
+def use_step_progress_bar(trainer: pl.Trainer) -> bool:
+    """Put a `StepProgressBar` in place of Lightning's default rich bar (not of a bar the user
+    configured, nor where the progress bar is off); True if it was replaced."""
+    bar = trainer.progress_bar_callback
+    if type(bar) is not RichProgressBar:
+        return False
+    trainer.callbacks[trainer.callbacks.index(bar)] = StepProgressBar()
     return True
 
 
@@ -110,9 +149,10 @@ def build_module(
     `defer_base`: the base weights are loaded later, in `HeadsModule.configure_model` under the
     strategy's sharding context (ZeRO-3); the heads start from the lm_head read from disk."""
     offline = cfg.data.offline
+    dd = load_prepared(cfg.data.prepared, offline=offline)  # bad data fails before the base loads
     base = DeferredBase(cfg.base) if defer_base else load_base(cfg.base)
+    check_vocab(cfg.data.prepared, base.vocab_size)
     fp = base.fingerprint()
-    dd = load_prepared(cfg.data.prepared, base.vocab_size, cfg.data.offline)
     draft_ids = None
     if cfg.head.draft_vocab_size is not None:
         n = min(cfg.head.draft_vocab_size, base.vocab_size)
@@ -175,6 +215,7 @@ def fit(
 
     `make(**kwargs)` builds the Trainer (default: from `cfg.trainer`); `logger` is a Lightning
     logger, a list of them, or False; `resolved_config` is written to `<out>/config.yaml`."""
+    check_prepared(cfg.data.prepared, cfg.data.offline)  # before any heavy work
     out = Path(cfg.out).expanduser()
     ckpt_dir = out / "checkpoints"
     last = ckpt_dir / "last.ckpt"
@@ -203,6 +244,7 @@ def fit(
     ]
     build = make or (lambda **kw: make_trainer(cfg, **kw))
     trainer = build(callbacks=callbacks, logger=logger, default_root_dir=str(out))
+    use_step_progress_bar(trainer)
     warn_slow_cpu_bf16(trainer)
     # Under ZeRO-3 a base bigger than one GPU (or one host's share) must be built already
     # partitioned: its loading waits for the strategy's zero.Init context (configure_model).
@@ -229,13 +271,16 @@ def fit(
     if resolved_config is not None:
         write_text(out / "config.yaml", resolved_config)
     t1 = time.perf_counter()
-    # Our own checkpoints also hold numpy / python RNG states: not loadable as weights only.
-    trainer.fit(
-        module,
-        datamodule=dm,
-        ckpt_path=None if resume_from is None else str(resume_from),
-        weights_only=False,
-    )
+    with warnings.catch_warnings():
+        if resume_from is not None:  # the data module restores the data position exactly
+            warnings.filterwarnings("ignore", message=re.escape(NOT_RESUMABLE_WARNING))
+        # Our own checkpoints also hold numpy / python RNG states: not loadable as weights only.
+        trainer.fit(
+            module,
+            datamodule=dm,
+            ckpt_path=None if resume_from is None else str(resume_from),
+            weights_only=False,
+        )
     fit_s = time.perf_counter() - t1
     val = {}
     if cfg.final_validation and dm.val_dataloader():

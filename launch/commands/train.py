@@ -82,9 +82,12 @@ def _record_wandb_run(summary: dict, logger: Any, out: str) -> None:
 def run(cfg) -> dict:
     from train.config import TrainConfig
     from train.core.config import load, resolved_yaml
+    from train.data import check_prepared
     from train.recipe import fit
 
     typed = load(cfg, TrainConfig, EXAMPLE)  # fails here, before any heavy work, on a bad config
+    # and here on missing or damaged data, before the logger, the out dir or the base exist
+    check_prepared(typed.data.prepared, typed.data.offline)
     quiet_lightning()
     logger = make_logger(typed)
     summary = fit(typed, logger=logger, resolved_config=resolved_yaml(cfg))

@@ -279,3 +279,32 @@ def test_bf16_autocast_step_matches_fp32_and_slow_cpus_are_warned(
     assert not recipe.warn_slow_cpu_bf16(trainer("32-true"))
     monkeypatch.setattr(recipe, "cpu_has_bf16", lambda: True)
     assert not recipe.warn_slow_cpu_bf16(trainer("bf16-mixed"))
+
+
+def test_progress_bar_shows_steps_not_a_negative_epoch_total(tiny_prepared, tmp_path):
+    """A run budgeted in steps (max_epochs=-1) has no epoch total: the bar says `Epoch N`, not
+    Lightning's `Epoch N/-2`, and counts optimizer steps out of trainer.max_steps."""
+    import lightning.pytorch as pl
+
+    from train.recipe import StepProgressBar, fit, make_trainer
+
+    seen = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            bar = trainer.progress_bar_callback
+            task = bar.progress.tasks[bar.train_progress_bar_id]
+            seen.append((type(bar), task.description, bar.get_metrics(trainer, pl_module)))
+
+    cfg = _cfg(tiny_prepared, tmp_path, "trainer.max_steps=3", "final_validation=false")
+
+    def make(**kw):
+        return make_trainer(cfg, **{**kw, "callbacks": [*kw["callbacks"], Probe()]})
+
+    fit(cfg, make)
+    assert [s[0] for s in seen] == [StepProgressBar] * 3
+    assert all(d.strip() == "Epoch 0" for _, d, _ in seen), seen
+    assert [m["step"] for *_, m in seen] == ["1/3", "2/3", "3/3"]
+    # Off where the trainer turns progress bars off, as before (no error, no bar).
+    off = _cfg(tiny_prepared, tmp_path / "off", "trainer.max_steps=1", "final_validation=false")
+    fit(off, lambda **kw: make_trainer(off, **{**kw, "enable_progress_bar": False}))
