@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from data_prep.readers import MAX_EXAMPLES, SkipLog
+from train.core.readers import MAX_EXAMPLES, SkipLog
 
 
 def quotas(available: list[int], weights: list[float], total: int | None) -> list[int]:

@@ -9,19 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from train.core.readers import DEFAULT_ROLE_MAP
+
 # Role names seen in the wild, mapped to the roles chat templates know (ROLES).
-DEFAULT_ROLE_MAP: dict[str, str] = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-    "model": "assistant",
-    "tool": "tool",
-}
 # "tool": a tool's result, answering an assistant turn's `tool_calls` (OpenAI messages).
 ROLES = ("system", "user", "assistant", "tool")
 # Where datasets put an assistant turn's reasoning (transformers reads all three names).

@@ -22,16 +22,15 @@ import pyarrow.compute as pc
 from data_prep.config import DataConfig, PrepConfig
 from data_prep.mixture import SourceSkips, merge_skips, quotas, select
 from data_prep.normalize import (
-    DEFAULT_ROLE_MAP,
     NormalizeStats,
     RowError,
     conversation_key,
     normalize,
 )
-from data_prep.readers import DataError, SkipLog, iter_records
 from data_prep.template import TemplateError, chunk, encode_batch, mask_method
 from train.core.atomic import publish_dir, write_json, write_text
 from train.core.errors import UserError
+from train.core.readers import DEFAULT_ROLE_MAP, DataError, SkipLog, iter_records
 
 STATS_FILE = "prep_stats.json"
 TIMING_FILE = "prep_timing.json"

@@ -10,22 +10,9 @@ whole against batch-1 `model.generate` and against `model.generate` on the same 
   only with prompts almost as long (alone when it fills the budget), so it never drags short
   ones through thousands of padding positions. The budget also bounds memory and the per-step
   attention work, which grows with rows x context.
-- Prefill in small groups. Rows are prefilled in groups of at most PREFILL_TOKENS padded tokens
-  and PREFILL_PAD padding per row (a prompt longer than that alone, unpadded, so attention takes
-  SDPA's causal kernel instead of a materialised rows x T x T mask), then copied into the
-  batch's left-padded cache.
-- A preallocated KV cache. transformers' DynamicCache concatenates, copying the whole cache at
-  every decode step; here each step writes its one column in place.
-- Finished rows leave, in steps of ROW_STEP rows: once the rows still generating fit in fewer
-  steps, the batch shrinks to them (plus finished rows as ballast up to a whole step), and the
-  leading columns that are padding in every kept row are cut, so a long prompt that finished
-  early stops costing attention. Measured at max_new_tokens=128 (most replies run to the
-  limit) it changes nothing (48 rows, within 2%), and dropping rows one at a time was 15%
-  slower on 16 rows: on this CPU a matmul over 13 rows takes longer than over 16. It is there
-  for longer replies, whose lengths vary more.
-
-Left padding with the attention mask and explicit position ids (0 at each row's first real
-token) make a row's greedy reply the same as batch-1 `model.generate` up to float noise.
+- Generation itself is the decoding engine's left-padded strategy
+  (train/decoding/slab.py): prefill in groups, one KV cache written in place, finished rows
+  leaving the batch.
 """
 
 from __future__ import annotations
@@ -41,25 +28,15 @@ from pathlib import Path
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import DynamicLayer
 
 from data_prep.config import RegenConfig
-from evaluation.decode import eos_ids
-from evaluation.verify import cache_kwarg
 from train.core.atomic import write_json, write_text
 from train.core.errors import UserError
+from train.decoding.sampling import eos_ids
+from train.decoding.slab import generate_left_padded
 
 log = logging.getLogger(__name__)
-
-# Padded tokens per prefill forward: on one CPU core SmolLM2's prefill throughput stops growing
-# near 1k tokens per forward (~450 tokens/s), and this bounds a padded group's attention scores
-# (rows x T x T).
-PREFILL_TOKENS = 2048
-# Padding a row by up to this many tokens costs less than the fixed cost of one more prefill
-# forward (measured there: a batch-1 forward of 64 tokens runs at half the batched rate).
-PREFILL_PAD = 64
-# Finished rows leave the batch in whole steps of this many rows (see generate_batch).
-ROW_STEP = 8
 
 OnBatch = Callable[[int, int, float], None]  # (rows, generated tokens, seconds) per batch
 
@@ -87,61 +64,6 @@ def plan_batches(
     return batches
 
 
-class _SlabLayer(DynamicLayer):
-    """One layer's KV cache in a preallocated (rows, kv_heads, capacity, head_dim) buffer; the
-    live part is the first `rows` rows and columns [start, end). A decode step writes its column
-    in place; dropping rows moves the kept ones up in place."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, start: int, end: int):
-        super().__init__()
-        self.buf_k, self.buf_v = keys, values
-        self.rows, self.start, self.end = keys.shape[0], start, end
-        self.is_initialized = True
-        self.device, self.dtype = keys.device, keys.dtype
-        self._view()
-
-    def _view(self) -> None:
-        self.keys = self.buf_k[: self.rows, :, self.start : self.end]
-        self.values = self.buf_v[: self.rows, :, self.start : self.end]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        n = key_states.shape[-2]
-        self.buf_k[: self.rows, :, self.end : self.end + n] = key_states
-        self.buf_v[: self.rows, :, self.end : self.end + n] = value_states
-        self.end += n
-        self._view()
-        return self.keys, self.values
-
-    def keep(self, rows: torch.Tensor, lead: int) -> None:
-        """Keep `rows` (ascending) only and drop the first `lead` live columns (padding in every
-        kept row)."""
-        self.start += lead
-        for buf in (self.buf_k, self.buf_v):
-            live = buf[:, :, self.start : self.end]
-            live[: len(rows)] = live[rows]  # the gather copies first, so the overlap is safe
-        self.rows = len(rows)
-        self._view()
-
-
-def _slab_cache(prefills: list[tuple[list[int], Cache]], rows: int, width: int, capacity: int):
-    """A cache of `rows` left-padded rows `width` wide (room for `capacity`), filled from the
-    prefill groups' caches: (batch rows of the group, its DynamicCache) pairs."""
-    layers = []
-    first = prefills[0][1].layers
-    for li, ref in enumerate(first):
-        _, heads, _, dim = ref.keys.shape
-        # zeros, not empty: padding columns are masked, but NaN garbage would survive 0 * NaN
-        k = ref.keys.new_zeros(rows, heads, capacity, dim)
-        v = ref.values.new_zeros(rows, heads, capacity, dim)
-        for idx, cache in prefills:
-            src = cache.layers[li]
-            w = src.keys.shape[-2]  # the group's own padded width, right-aligned in the batch
-            k[idx, :, width - w : width] = src.keys
-            v[idx, :, width - w : width] = src.values
-        layers.append(_SlabLayer(k, v, 0, width))
-    return Cache(layers=layers)
-
-
 def _check_full_attention(model) -> None:
     layers = DynamicCache(config=model.config).layers
     if any(type(layer) is not DynamicLayer for layer in layers):
@@ -150,124 +72,6 @@ def _check_full_attention(model) -> None:
             f"{type(model).__name__} has sliding-window or other cache layers. Set "
             "regenerate=false, or regenerate with another base."
         )
-
-
-def _pick(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """Next token per row from (B, V) logits: argmax at temperature 0, else nucleus sampling."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1:
-        p, order = probs.sort(dim=-1, descending=True)
-        # drop a token once the likelier ones already cover top_p (the likeliest always stays)
-        p = p.masked_fill(p.cumsum(-1) - p >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, p)
-    return torch.multinomial(probs, 1)[:, 0]
-
-
-def _left_pad(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    """0 at each row's first real token (padding gets 0 too; it is masked anyway)."""
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def _forward(model, ids, mask, positions, cache) -> torch.Tensor:
-    """Logits (B, V) at the last position of `ids` (B, T), appending to `cache`; the lm_head
-    runs on that position only."""
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        use_cache=True,
-        logits_to_keep=1,
-        **{cache_kwarg(type(model)): cache},
-    )
-    return out.logits[:, -1]
-
-
-@torch.no_grad()
-def generate_batch(
-    model,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    eos: set[int],
-    pad: int,
-    temperature: float,
-    top_p: float,
-) -> list[list[int]]:
-    """Generate up to `max_new_tokens` after each prompt, batched; a row stops after its first
-    EOS token (kept as its last token, as `model.generate` does) and soon leaves the batch."""
-    device = model.device
-    width = max(len(p) for p in prompts)
-    rows = len(prompts)
-    # Prefill groups, longest first: a row joins while the group's padded size fits
-    # PREFILL_TOKENS and padding it costs less than another forward would.
-    groups: list[list[int]] = []
-    for i in sorted(range(rows), key=lambda i: -len(prompts[i])):
-        g = groups[-1] if groups else None
-        longest = len(prompts[g[0]]) if g else 0
-        if (
-            g
-            and (len(g) + 1) * longest <= PREFILL_TOKENS
-            and longest - len(prompts[i]) <= PREFILL_PAD
-        ):
-            g.append(i)
-        else:
-            groups.append([i])
-    last = None
-    prefills = []
-    for g in groups:
-        ids, mask = _left_pad([prompts[i] for i in g], pad, device)
-        cache = DynamicCache(config=model.config)
-        logits = _forward(model, ids, mask, _positions(mask), cache)
-        if last is None:
-            last = logits.new_empty(rows, logits.shape[-1])
-        last[g] = logits
-        prefills.append((g, cache))
-    cache = _slab_cache(prefills, rows, width, width + max_new_tokens)
-    _, attn = _left_pad(prompts, pad, device)  # (B, L): 1 on real tokens
-    pos = attn.sum(-1)  # (B,) position of each row's next token
-    owner = torch.arange(rows, device=device)  # batch row -> prompt index
-    going = torch.ones(rows, dtype=torch.bool, device=device)  # rows still generating
-    eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=device)
-    out_tokens: list[list[int]] = [[] for _ in prompts]
-    logits = last
-    for step in range(max_new_tokens):
-        nxt = _pick(logits, temperature, top_p)  # (B,)
-        for r, t, g in zip(owner.tolist(), nxt.tolist(), going.tolist(), strict=True):
-            if g:
-                out_tokens[r].append(t)
-        if step == max_new_tokens - 1:
-            break
-        going &= ~torch.isin(nxt, eos_t)
-        alive = int(going.sum())
-        if alive == 0:
-            break
-        # Finished rows leave in whole steps of ROW_STEP rows: a matmul over 13 rows costs
-        # more than over 16 here, so the rest of a step's rows keep generating as ballast.
-        target = -(-alive // ROW_STEP) * ROW_STEP
-        if target < len(owner):
-            keep = torch.cat([going.nonzero()[:, 0], (~going).nonzero()[:, 0]])[:target]
-            keep = keep.sort().values
-            owner, going, nxt, pos, attn = (x[keep] for x in (owner, going, nxt, pos, attn))
-            # columns that are padding in every remaining row: the longest prompt may be gone
-            lead = int((attn.shape[1] - attn.sum(-1)).min())
-            attn = attn[:, lead:]
-            for layer in cache.layers:
-                layer.keep(keep, lead)
-        attn = torch.cat([attn, attn.new_ones(len(owner), 1)], dim=1)
-        logits = _forward(model, nxt[:, None], attn, pos[:, None], cache)
-        pos = pos + 1
-    return out_tokens
 
 
 def generate_replies(
@@ -283,7 +87,7 @@ def generate_replies(
     lengths = [len(p) for p in prompts]
     for batch in plan_batches(lengths, cfg.max_new_tokens, cfg.batch_size, cfg.batch_tokens):
         t0 = time.perf_counter()
-        out = generate_batch(
+        out = generate_left_padded(
             base.model,
             [prompts[i] for i in batch],
             cfg.max_new_tokens,

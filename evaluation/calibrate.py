@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evaluation.tree import Tree, TreeError, expected_length, grow
+from train.decoding.tree import Tree, TreeError, expected_length, grow
 from train.heads import HeadSet
 
 

@@ -6,16 +6,16 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from evaluation.tree import PRESETS
 from train.core.base import BaseConfig
 from train.core.config import ConfigModel, NonNegative, Positive, check, fail
+from train.decoding.tree import PRESETS
 
 SORT_KEYS = ("tau", "speedup", "tau_est", "val_loss", "name")
 
 
 # -- trees: one schema per kind (`tree=<option>`), told apart by `kind` ------------------------
 class PresetTree(ConfigModel):
-    """A named tree: `chain` (as deep as the heads) or one of evaluation.tree.PRESETS."""
+    """A named tree: `chain` (as deep as the heads) or one of train.decoding.tree.PRESETS."""
 
     kind: Literal["preset"]
     name: Annotated[
@@ -125,8 +125,7 @@ class EvalSettings(ConfigModel):
     seed: int
     device: str
     threads: Positive | None  # torch CPU threads (null: torch's default)
-    kv_cache: Literal["static", "dynamic"]  # pre-allocated and compacted in place | concatenating
-    base_quant: Literal["none", "bf16", "int8"]  # the base's weights; the heads stay float32
+    base_quant: Literal["none", "bf16", "int8"]  # the base's weights (the heads run in its dtype)
     compile: bool  # torch.compile the base's decode and verify forwards
     batch_size: Positive  # prompts decoded at once (per-row acceptance and KV compaction)
     progress: bool

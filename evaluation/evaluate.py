@@ -17,20 +17,21 @@ from typing import Any
 
 import torch
 
-from data_prep.readers import DataError, SkipLog
-from evaluation.backend import quantize_base, use_gqa_attention
-from evaluation.batched import plain_batch, speculative_batch
 from evaluation.calibrate import calibrate, choose_tree
 from evaluation.config import EvalConfig, EvalSettings, TreeConfig
-from evaluation.decode import Decoder, Generation, SamplingConfig, eos_ids
-from evaluation.dynamic import DynamicTree, Shape, by_temperature
-from evaluation.prompts import PromptItem, held_out_prompts, jsonl_prompts, prepared_rows
 from evaluation.suites import suite_path, suite_prompts
-from evaluation.tree import Tree, TreeError, branching, grow, preset_paths
 from train.core.atomic import write_json, write_text
 from train.core.base import BaseConfig, FrozenBase, load_base, recorded_base
 from train.core.checkpoint import read_meta
 from train.core.errors import ConfigError, NotFound, UserError
+from train.core.prompts import PromptItem, held_out_prompts, jsonl_prompts, prepared_rows
+from train.core.readers import DataError, SkipLog
+from train.decoding.backend import quantize_base, use_gqa_attention
+from train.decoding.decoder import Decoder
+from train.decoding.dynamic import DynamicTree, Shape, by_temperature
+from train.decoding.generation import Generation, acceptance_figures
+from train.decoding.sampling import SamplingConfig, eos_ids
+from train.decoding.tree import Tree, TreeError, branching, grow, preset_paths
 from train.heads import load_heads
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def setup(cfg: EvalConfig) -> tuple[FrozenBase, Decoder, Tree | None, dict]:
     )
     offset = int(meta.get("hidden_state_offset") or 0)
     eos = eos_ids(base.tokenizer, base.model)
-    decoder = Decoder(base.model, eos, heads, None, sampling, offset, ev.kv_cache, ev.compile)
+    decoder = Decoder(base.model, eos, heads, None, sampling, offset, ev.compile)
     return base, decoder, tree, meta
 
 
@@ -236,17 +237,13 @@ def decode_prompts(
     """Decode every turn of `items` speculatively (and plainly if eval.compare_plain), one
     prompt at a time or eval.batch_size at once. Returns (eval.json records, speculative and
     plain generations, lossless mismatches)."""
-    decoder.plain(_first_prompt(tokenizer, items[0]), 4)  # warm-up: first calls allocate
+    decoder.plain([_first_prompt(tokenizer, items[0])], 4)  # warm-up: first calls allocate
     records, spec_all, plain_all, mismatches = [], [], [], []
     bar = _progress(len(items), ev.progress)
     B = ev.batch_size
     for first in range(0, len(items), B):
         group = items[first : first + B]
-        if B == 1:
-            results = _decode_item(decoder, first, group[0], tokenizer, ev, skips)
-        else:
-            results = _decode_batch(decoder, first, group, tokenizer, ev, skips)
-        for rec, spec, plain in results:
+        for rec, spec, plain in _decode_batch(decoder, first, group, tokenizer, ev, skips):
             records.append(rec)
             spec_all.append(spec)
             if plain is not None:
@@ -274,33 +271,10 @@ def _system(item: PromptItem) -> list[dict]:
     return [{"role": "system", "content": item.system}] if item.system else []
 
 
-def _decode_item(decoder: Decoder, idx: int, item: PromptItem, tok, ev: EvalSettings, skips):
-    """(record, speculative, plain or None) per turn of `item`; a chat gets each reply before
-    its next user turn. A prompt over eval.max_prompt_tokens ends the item."""
-    msgs = _system(item)
-    for turn in range(item.num_turns):
-        prompt = _turn_prompt(item, turn, msgs, tok)
-        if len(prompt) > ev.max_prompt_tokens:
-            skips.skip("prompt_too_long", item.name, f"turn {turn}: {len(prompt)} tokens")
-            return
-        runs: dict[str, Generation] = {}
-        order = ("spec", "plain") if idx % 2 == 0 else ("plain", "spec")  # cancel drift
-        for which in order:
-            if which == "plain" and not ev.compare_plain:
-                continue
-            decoder.reseed(ev.seed + 1000 * idx + turn)
-            fn = decoder.speculative if which == "spec" else decoder.plain
-            runs[which] = fn(prompt, ev.max_new_tokens)
-        spec, plain = runs["spec"], runs.get("plain")
-        rec = _record(item, turn, prompt, spec, plain, tok, ev)
-        yield rec, spec, plain
-        if item.tokens is None:
-            msgs.append({"role": "assistant", "content": rec["output"]})
-
-
 def _decode_batch(decoder: Decoder, first: int, items: list[PromptItem], tok, ev, skips):
-    """_decode_item for eval.batch_size items at once, turn by turn: every item's turn t is
-    one batch (its reply is in the chat before turn t + 1 is rendered). Records carry the
+    """(record, speculative, plain or None) per turn of eval.batch_size `items` decoded at
+    once, turn by turn: a chat gets each reply before its next user turn, and every item's turn
+    t is one batch (its reply is in the chat before turn t + 1 is rendered). Records carry the
     batch's number and size; their times are each row's share of the batch's."""
     chats = [_system(item) for item in items]
     alive = list(range(len(items)))
@@ -324,8 +298,8 @@ def _decode_batch(decoder: Decoder, first: int, items: list[PromptItem], tok, ev
             if which == "plain" and not ev.compare_plain:
                 continue
             decoder.reseed(ev.seed + 1000 * first + turn)
-            fn = speculative_batch if which == "spec" else plain_batch
-            runs[which] = fn(decoder, prompts, ev.max_new_tokens)
+            fn = decoder.speculative if which == "spec" else decoder.plain
+            runs[which] = fn(prompts, ev.max_new_tokens)
         for k, j in enumerate(rows):
             spec = runs["spec"][k]
             plain = runs["plain"][k] if "plain" in runs else None
@@ -363,23 +337,6 @@ def _record(item, turn, prompt, spec: Generation, plain: Generation | None, tok,
 
 
 # -- figures ---------------------------------------------------------------------------------
-def acceptance_figures(accepted: list[int], depth: int) -> dict[str, Any]:
-    """tau, per-depth acceptance (cumulative: P(step reaches depth d); conditional: P(reaches d |
-    reached d-1)) and the histogram of draft tokens accepted per step."""
-    steps = len(accepted)
-    hist = [sum(1 for a in accepted if a == d) for d in range(depth + 1)]
-    reach = [sum(1 for a in accepted if a >= d) for d in range(depth + 1)]
-    return {
-        "steps": steps,
-        "tau": (sum(accepted) + steps) / steps if steps else None,
-        "accepted_histogram": hist,
-        "acceptance_cumulative": [reach[d] / steps if steps else None for d in range(1, depth + 1)],
-        "acceptance_conditional": [
-            reach[d] / reach[d - 1] if reach[d - 1] else None for d in range(1, depth + 1)
-        ],
-    }
-
-
 def _share(records: list[dict], key: str) -> float | None:
     flags = [r[key] for r in records if key in r]
     return sum(flags) / len(flags) if flags else None
@@ -424,7 +381,6 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
         "num_heads": decoder.heads.num_heads,
         "base": meta["base_fingerprint"],
         "backend": {
-            "kv_cache": ev.kv_cache,
             "base_quant": ev.base_quant,
             "compile": ev.compile,
             "batch_size": ev.batch_size,

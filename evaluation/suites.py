@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from evaluation.prompts import PromptItem, parse_prompt_row
 from train.core.errors import NotFound, UserError
+from train.core.prompts import PromptItem, parse_prompt_row
 
 # HumanEval gives a function's signature and docstring, not a question. The chat model gets it
 # as the only user message, fenced as Python under this one line (no system prompt beyond the

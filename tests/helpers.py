@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from hypothesis import strategies as st
 
-from evaluation.decode import Decoder
 from train.core.config import compose, from_group, load
+from train.decoding.decoder import Decoder
+from train.decoding.propose import Proposal
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = str(Path(sys.executable).parent / "hydra-heads")
@@ -234,19 +235,49 @@ def trees(draw, max_depth=4, max_nodes=30):
 
 class OracleDecoder(Decoder):
     """Proposes the true greedy continuation at chosen ranks of the tree, junk elsewhere: every
-    step should then accept a whole root-to-leaf path, through non-zero ranks."""
+    step should then accept a whole root-to-leaf path, through non-zero ranks (batch 1)."""
 
     def __init__(self, *a, ref: list[int], prompt_len: int, true_path: list[int], **k):
         super().__init__(*a, **k)
         self.ref, self.prompt_len, self.true_path = ref, prompt_len, true_path
 
-    def propose(self, ctx, root, position):
-        at = position - self.prompt_len  # ref[at] is the root
+    def propose(self, ctx, roots, lengths):
+        at = int(lengths[0]) - self.prompt_len  # ref[at] is the root
+        root = int(roots[0])
         assert self.ref[at] == root
-        tokens = torch.empty(self.tree.num_nodes, dtype=torch.long)
-        tokens[0] = root
+        tokens = torch.empty(1, self.tree.num_nodes, dtype=torch.long)
+        tokens[0, 0] = root
         for i, p in enumerate(self.tree.paths, start=1):
             true = self.ref[at + len(p)] if at + len(p) < len(self.ref) else 0
             on_path = list(p) == self.true_path[: len(p)]
-            tokens[i] = true if on_path else (true + 1 + i) % self.model.config.vocab_size
-        return tokens
+            tokens[0, i] = true if on_path else (true + 1 + i) % self.model.config.vocab_size
+        prop = self.proposer
+        return Proposal([self.tree], tokens, prop.bias, prop.depth)
+
+
+# -- head outputs the tests compare (production proposes through train/decoding/propose.py) -----
+def full_vocab_logits(heads, logits: torch.Tensor) -> torch.Tensor:
+    """Draft-vocab logits scattered into the full vocab (-inf for tokens outside it)."""
+    if heads.draft is None:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], heads.vocab_size), float("-inf"))
+    full[..., heads.draft.to_full] = logits
+    return full
+
+
+def head_step(heads, k: int, ctx: torch.Tensor, path_tokens: torch.Tensor, embed) -> torch.Tensor:
+    """Full-vocab logits of head k (0-based) for N nodes: ctx (N, H), path_tokens (N, k+1) the
+    tokens from the root down to each node (ignored by Medusa heads)."""
+    path = embed(path_tokens) if heads.uses_path else None
+    return full_vocab_logits(heads, heads.logits(k, heads.head_input(k, ctx, path)))
+
+
+def propose_chain(heads, ctx: torch.Tensor, first_token: torch.Tensor, embed) -> torch.Tensor:
+    """Greedy chain of K draft tokens after `first_token`: (N, K), head by head."""
+    path = first_token[:, None]
+    out = []
+    for k in range(heads.num_heads):
+        nxt = head_step(heads, k, ctx, path, embed).argmax(-1)
+        out.append(nxt)
+        path = torch.cat([path, nxt[:, None]], dim=1)
+    return torch.stack(out, dim=1)

@@ -9,10 +9,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, model_validator
 
-from evaluation.tree import PRESETS
 from train.core.base import BaseConfig
 from train.core.config import ConfigModel, NonNegative, Positive, check, fail
 from train.core.errors import InvalidValue
+from train.decoding.tree import PRESETS
 from train.heads.config import HeadConfig
 
 

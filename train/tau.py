@@ -1,5 +1,5 @@
 """τ measured while training: after each validation, a few held-out prompts are decoded
-greedily by the real tree verifier (evaluation/decode.py) with the heads as they are, and
+greedily by the decoding engine (train/decoding/), in one batch, with the heads as they are, and
 `val/tau_<tree>` is logged next to the teacher-forced estimate `val/tau_est`. The heads with
 the best τ on the first tree are kept in `<out>/heads_best` (`<out>/heads` holds the last)."""
 
@@ -13,19 +13,20 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from evaluation.decode import Decoder, eos_ids
-from evaluation.evaluate import acceptance_figures
-from evaluation.prompts import held_out_prompts
-from evaluation.tree import Tree, preset_paths
 from train.config import ValTauConfig
 from train.core.base import FrozenBase
+from train.core.prompts import held_out_prompts
+from train.decoding.decoder import Decoder
+from train.decoding.generation import acceptance_figures
+from train.decoding.sampling import eos_ids
+from train.decoding.tree import Tree, preset_paths
 from train.heads import save_heads
 
 log = logging.getLogger(__name__)
 
 
 def tree_named(name: str, num_heads: int) -> Tree:
-    """`chain` (top-1 guesses, one per head) or a preset tree of evaluation/tree.py, cut to
+    """`chain` (top-1 guesses, one per head) or a preset tree of train/decoding/tree.py, cut to
     the depth `num_heads` heads can propose."""
     paths = preset_paths(name, num_heads)
     return Tree.from_paths([p for p in paths if len(p) <= num_heads], num_heads)
@@ -62,9 +63,8 @@ class MeasuredTau(pl.Callback):
         try:
             for name in self.cfg.trees:
                 decoder.set_tree(tree_named(name, heads.num_heads))
-                accepted = []
-                for p in self.prompts:
-                    accepted += decoder.speculative(p, self.cfg.max_new_tokens).accepted
+                gens = decoder.speculative(self.prompts, self.cfg.max_new_tokens)
+                accepted = [a for g in gens for a in g.accepted]
                 taus[name] = acceptance_figures(accepted, 0)["tau"]  # eval.json's τ
         finally:
             heads.train(was_training)

@@ -13,9 +13,9 @@ import pytest
 
 from data_prep.mixture import quotas, select
 from data_prep.prepare import PrepError, prepare
-from data_prep.readers import DataError
 from tests.helpers import conv, prep_config, run_here
 from train.core.errors import ConfigError
+from train.core.readers import DataError
 
 
 def _rows(tag: str, n: int, words: int = 1) -> list[dict]:

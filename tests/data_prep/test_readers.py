@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from data_prep.readers import DataError, SkipLog, detect_format, iter_records
+from train.core.readers import DataError, SkipLog, detect_format, iter_records
 
 
 def _write_array(path, records, tail=b""):

@@ -9,8 +9,8 @@ import pytest
 
 from data_prep.prepare import prepare
 from data_prep.regenerate import regenerate
-from evaluation.decode import eos_ids
 from tests.helpers import conv, prep_config, regen_config
+from train.decoding.sampling import eos_ids
 
 
 def _rows(n):
@@ -44,7 +44,7 @@ def test_regenerates_every_assistant_turn_reproducibly(tmp_path, tiny_base):
 
 
 def test_empty_replies_end_the_conversation(tmp_path, tiny_base):
-    from data_prep.readers import SkipLog
+    from train.core.readers import SkipLog
 
     skips = SkipLog()
     out = regenerate(_rows(2), tiny_base, regen_config(max_new_tokens=4), tmp_path / "g", 0, skips)
@@ -52,7 +52,7 @@ def test_empty_replies_end_the_conversation(tmp_path, tiny_base):
 
 
 def test_a_prompt_over_max_prompt_tokens_ends_its_conversation(tmp_path, tiny_base):
-    from data_prep.readers import SkipLog
+    from train.core.readers import SkipLog
 
     rows = _rows(2)
     rows[0]["contents"][2] = "long " * 40  # its second prompt is over the limit
@@ -233,9 +233,10 @@ def test_batched_greedy_equals_batch_1_generate(
     import torch
 
     import data_prep.regenerate as regen_mod
+    import train.decoding.slab as slab_mod
 
-    monkeypatch.setattr(regen_mod, "PREFILL_TOKENS", prefill_tokens)
-    monkeypatch.setattr(regen_mod, "ROW_STEP", row_step)
+    monkeypatch.setattr(slab_mod, "PREFILL_TOKENS", prefill_tokens)
+    monkeypatch.setattr(slab_mod, "ROW_STEP", row_step)
     model, eos = lively_base.model, eos_ids(lively_base.tokenizer, lively_base.model)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (1, 5, 40, 300, 120, 9)]

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from evaluation import suites
-from evaluation.prompts import PromptItem
 from tests.helpers import make_heads, run_here
 from train.core.config import compose, load
 from train.core.errors import ConfigError, UserError
+from train.core.prompts import PromptItem
 
 MT_BENCH_CATEGORIES = {
     "writing",

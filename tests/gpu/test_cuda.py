@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from evaluation.decode import Decoder
-from evaluation.tree import PRESETS, Tree, branching
 from tests.helpers import REPO, OracleDecoder, make_heads, train_config
+from train.decoding.decoder import Decoder
+from train.decoding.tree import PRESETS, Tree, branching
 from train.heads import HEADS
 
 pytestmark = pytest.mark.gpu
@@ -122,11 +122,11 @@ def test_tree_speculative_greedy_on_cuda_equals_plain_and_cpu(tiny_base, fp32_ma
         assert gpu.device.type == "cuda" and cpu.device.type == "cpu"
         for prompt in PROMPTS:
             ids = _encode(tiny_base.tokenizer, prompt)
-            plain, spec = gpu.plain(ids, 40), gpu.speculative(ids, 40)
+            plain, spec = gpu.plain([ids], 40)[0], gpu.speculative([ids], 40)[0]
             assert spec.tokens == plain.tokens, (arch, draft, prompt)
             assert len(spec.tokens) == 40 and spec.finish == "length"
             assert spec.steps == len(spec.accepted) and spec.tau >= 1.0
-            assert spec.tokens == cpu.speculative(ids, 40).tokens, (arch, draft, prompt)
+            assert spec.tokens == cpu.speculative([ids], 40)[0].tokens, (arch, draft, prompt)
 
 
 @pytest.mark.parametrize("true_path", [[0, 0, 0], [2, 1, 0]])
@@ -136,12 +136,12 @@ def test_oracle_heads_accept_whole_paths_on_cuda(tiny_base, fp32_matmul, true_pa
     model = copy.deepcopy(tiny_base.model).to("cuda")
     heads = make_heads(tiny_base.model, "hydra_pp", 0, 0.1).to("cuda")
     ids = _encode(tiny_base.tokenizer, PROMPTS[1])
-    ref = Decoder(model, set(), heads).plain(ids, 60).tokens
+    ref = Decoder(model, set(), heads).plain([ids], 60)[0].tokens
     tree = Tree.from_paths(branching([3, 2, 2]))
     dec = OracleDecoder(
         model, set(), heads, tree, ref=ref, prompt_len=len(ids), true_path=true_path
     )
-    gen = dec.speculative(ids, 60)
+    gen = dec.speculative([ids], 60)[0]
     assert gen.tokens == ref
     assert gen.accepted[:-1] == [3] * (len(gen.accepted) - 1)
 

@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tests.helpers import base_config, head_config, run
+from tests.helpers import base_config, full_vocab_logits, head_config, head_step, run
 from train.core.checkpoint import HeadsMismatchError
 from train.core.errors import ConfigError
+from train.decoding.propose import candidates
 from train.export import FormatError, export_heads, import_heads
 from train.heads import base_shape, build_heads, heads_meta, load_heads, save_heads
 
@@ -58,9 +59,9 @@ def assert_same_proposals(a, b, embed: nn.Module) -> None:
     ctx = torch.randn(6, h, generator=g)
     for k in range(a.num_heads):
         path = torch.randint(0, a.vocab_size, (6, k + 1), generator=g)
-        assert torch.equal(a.step(k, ctx, path, embed), b.step(k, ctx, path, embed))
+        assert torch.equal(head_step(a, k, ctx, path, embed), head_step(b, k, ctx, path, embed))
         assert torch.equal(
-            a.candidates(k, ctx, path, embed, 5), b.candidates(k, ctx, path, embed, 5)
+            candidates(a, k, ctx, path, embed, 5), candidates(b, k, ctx, path, embed, 5)
         )
 
 
@@ -215,7 +216,7 @@ def test_hydra_export_loads_into_zankner_hydra_layout(tmp_path, tiny_base, arch,
     for k in range(3):
         path = torch.randint(0, tiny_base.vocab_size, (5, k + 1))
         with torch.no_grad():
-            want = heads.step(k, ctx, path, tiny_base.embed_tokens)
+            want = head_step(heads, k, ctx, path, tiny_base.embed_tokens)
             got = theirs.logits(k, ctx, path)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert torch.equal(got.topk(5).indices, want.topk(5).indices)
@@ -276,11 +277,11 @@ def _compare_with_prefix_mlp(ours, theirs, tiny_base) -> float:
         ctx = ours.context(hidden)
         for k in range(ours.num_heads):
             valid = T - k - 1  # positions t whose path x_{t+1..t+k+1} is inside
-            got = ours.full_vocab_logits(ours.logits(k, states[k]))[:, :valid]
+            got = full_vocab_logits(ours, ours.logits(k, states[k]))[:, :valid]
             torch.testing.assert_close(got, want[k][:, :valid], rtol=1e-4, atol=1e-4)
             worst = max(worst, float((got - want[k][:, :valid]).abs().max()))
             t = 4
-            step = ours.step(k, ctx[:, t], ids[:, t + 1 : t + k + 2], tiny_base.embed_tokens)
+            step = head_step(ours, k, ctx[:, t], ids[:, t + 1 : t + k + 2], tiny_base.embed_tokens)
             torch.testing.assert_close(step, want[k][:, t], rtol=1e-4, atol=1e-4)
             worst = max(worst, float((step - want[k][:, t]).abs().max()))
     return worst
@@ -375,7 +376,9 @@ def test_medusa_export_loads_into_vllm_and_tensorrt_llm_layouts(tmp_path, tiny_b
     vllm.load_state_dict(state, strict=True)
     ctx = torch.randn(5, 64)
     for k in range(3):
-        want = heads.step(k, ctx, torch.zeros(5, k + 1, dtype=torch.long), tiny_base.embed_tokens)
+        want = head_step(
+            heads, k, ctx, torch.zeros(5, k + 1, dtype=torch.long), tiny_base.embed_tokens
+        )
         with torch.no_grad():
             logits = vllm.lm_heads[k](vllm.blocks[k](ctx))
         if token_map is not None:  # vLLM scatters draft logits into the full vocab like this
@@ -397,8 +400,8 @@ def test_medusa_export_loads_into_vllm_and_tensorrt_llm_layouts(tmp_path, tiny_b
         )
         fd.load_state_dict(load_file(str(trt)), strict=True)
         for k in range(3):
-            want = heads.step(
-                k, ctx, torch.zeros(5, k + 1, dtype=torch.long), tiny_base.embed_tokens
+            want = head_step(
+                heads, k, ctx, torch.zeros(5, k + 1, dtype=torch.long), tiny_base.embed_tokens
             )
             with torch.no_grad():
                 torch.testing.assert_close(fd[k](ctx), want, rtol=1e-5, atol=1e-5)
@@ -541,7 +544,7 @@ def test_import_of_a_zankner_checkpoint_with_trained_biases(tmp_path, tiny_base,
         path = torch.randint(0, tiny_base.vocab_size, (5, k + 1))
         with torch.no_grad():
             want = theirs.logits(k, ctx, path)
-            got = ours.step(k, ctx, path, tiny_base.embed_tokens)
+            got = head_step(ours, k, ctx, path, tiny_base.embed_tokens)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     export_heads(tmp_path / "ours", "hydra", tmp_path / "again")
     again = torch.load(tmp_path / "again" / "hydra_lm_head.pt", weights_only=True)

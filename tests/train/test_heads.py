@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import head_config
-from train.heads import HEADS, KVCache, base_shape, build_heads
+from tests.helpers import full_vocab_logits, head_config, head_step, propose_chain
+from train.decoding.cache import KVCache
+from train.heads import HEADS, base_shape, build_heads
 from train.heads.blocks import ResBlock
 
 
@@ -88,8 +89,8 @@ def test_proposal_step_equals_teacher_forcing(tiny_base, name):
     ctx = heads.context(hidden)
     for k in range(3):
         t = 4
-        got = heads.step(k, ctx[:, t], ids[:, t + 1 : t + k + 2], tiny_base.embed_tokens)
-        want = heads.full_vocab_logits(heads.logits(k, states[k][:, t]))
+        got = head_step(heads, k, ctx[:, t], ids[:, t + 1 : t + k + 2], tiny_base.embed_tokens)
+        want = full_vocab_logits(heads, heads.logits(k, states[k][:, t]))
         assert torch.allclose(got, want, atol=1e-5)
 
 
@@ -120,7 +121,7 @@ def test_hydra_pp_kv_cache_matches_full_context(tiny_base):
     heads = make(tiny_base, "hydra_pp")
     hidden = torch.randn(1, 9, 64)
     full = heads.context(hidden)
-    cache = KVCache()
+    cache = KVCache(1, 16)
     parts = [heads.context(hidden[:, :5], cache=cache), heads.context(hidden[:, 5:7], cache=cache)]
     cache.crop(-1)  # drop a rejected position, then feed the accepted one again
     parts = [parts[0], parts[1][:, :1], heads.context(hidden[:, 6:9], cache=cache)]
@@ -133,8 +134,8 @@ def test_draft_vocab_maps_back_to_full_ids(tiny_base, name):
     draft = torch.sort(torch.unique(draft)).values
     heads = make(tiny_base, name, draft=draft)
     assert heads.out_vocab_size == len(draft)
-    logits = heads.step(
-        0, torch.randn(3, 64), torch.randint(0, 250, (3, 1)), tiny_base.embed_tokens
+    logits = head_step(
+        heads, 0, torch.randn(3, 64), torch.randint(0, 250, (3, 1)), tiny_base.embed_tokens
     )
     assert logits.shape == (3, 259)
     top = logits.argmax(-1)
@@ -142,7 +143,7 @@ def test_draft_vocab_maps_back_to_full_ids(tiny_base, name):
     outside = torch.ones(259, dtype=torch.bool)
     outside[draft] = False
     assert torch.isinf(logits[:, outside]).all()
-    chain = heads.propose_chain(torch.randn(2, 64), torch.tensor([1, 2]), tiny_base.embed_tokens)
+    chain = propose_chain(heads, torch.randn(2, 64), torch.tensor([1, 2]), tiny_base.embed_tokens)
     assert chain.shape == (2, 3) and all(int(x) in set(draft.tolist()) for x in chain.flatten())
 
 

@@ -14,9 +14,10 @@ def test_val_tau_is_the_verifier_s_tau_and_the_best_heads_are_kept(
 ):
     """The logged figure is what decoding the same held-out prompts with the saved heads gives;
     heads_best holds the heads of the best measurement, heads/ the last ones."""
-    from evaluation.decode import Decoder, eos_ids
-    from evaluation.evaluate import acceptance_figures
-    from evaluation.prompts import held_out_prompts, prepared_rows
+    from train.decoding.generation import acceptance_figures
+    from train.core.prompts import held_out_prompts, prepared_rows
+    from train.decoding.decoder import Decoder
+    from train.decoding.sampling import eos_ids
     from train.heads import load_heads
     from train.tau import tree_named
 
@@ -61,7 +62,7 @@ def test_val_tau_is_the_verifier_s_tau_and_the_best_heads_are_kept(
         taus = {}
         for tree in ("mc_sim_7b_63", "chain"):
             dec.set_tree(tree_named(tree, 3))
-            accepted = [a for p in prompts for a in dec.speculative(p, 12).accepted]
+            accepted = [a for p in prompts for a in dec.speculative([p], 12)[0].accepted]
             taus[tree] = acceptance_figures(accepted, 0)["tau"]
         if name == "heads":
             assert taus == pytest.approx(vt["last"]["taus"])

@@ -7,7 +7,7 @@ import torch
 from train.heads.config import HeadConfig, LossConfig
 from train.heads.headset import HeadSet
 from train.heads.hydra import HydraHeads
-from train.heads.hydra_pp import HydraPPHeads, KVCache
+from train.heads.hydra_pp import HydraPPHeads
 from train.heads.medusa import MedusaHeads
 
 HEADS: dict[str, type[HeadSet]] = {
@@ -62,7 +62,6 @@ __all__ = [
     "HEADS",
     "HeadConfig",
     "HeadSet",
-    "KVCache",
     "LossConfig",
     "base_shape",
     "build_heads",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -60,13 +59,6 @@ def official_noise(x: torch.Tensor, alpha: float, lengths: torch.Tensor | None) 
     n = lengths if lengths is not None else torch.full((x.shape[0],), x.shape[1])
     scale = alpha / torch.sqrt(n.clamp_min(1).to(x.device, torch.float32) * x.shape[-1])
     return (torch.rand_like(x) * 2 - 1) * scale.to(x.dtype)[:, None, None]
-
-
-def shift_left(x: torch.Tensor, j: int) -> torch.Tensor:
-    """x[:, t + j] at position t (zeros past the end): (B, T, H) -> (B, T, H)."""
-    if j == 0:
-        return x
-    return F.pad(x[:, j:], (0, 0, 0, j))
 
 
 class DraftVocab(nn.Module):

@@ -7,15 +7,16 @@ output replaces h_t as every head's first input. Parameter names mirror the offi
 `prefix_embeding_layer` (`layers.0.*`, `norm.weight`); it reads inputs_embeds, so the
 official module's unused token embedding table is not built.
 
-The layer keeps its own KV cache at inference (a transformers DynamicCache): only accepted
-tokens enter it, so it is never cropped in decoding.
+At inference the layer keeps its own KV cache, the decoding engine's KVCache (any
+`transformers.Cache` works): only accepted tokens enter it.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import DynamicCache, LlamaConfig
+from transformers import LlamaConfig
+from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaRMSNorm,
@@ -23,8 +24,6 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from train.heads.hydra import HydraHeads
-
-KVCache = DynamicCache  # the extra layer's keys and values for the tokens accepted so far
 
 
 def prefix_config(shape: dict) -> LlamaConfig:
@@ -72,7 +71,7 @@ class PrefixLayer(nn.Module):
         self,
         x: torch.Tensor,
         positions: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: (B, T, H) new positions; with a cache they follow the cached ones. positions:
@@ -116,7 +115,7 @@ class HydraPPHeads(HydraHeads):
     def context(
         self,
         hidden: torch.Tensor,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:

@@ -1,16 +1,16 @@
 """Dynamic trees (tree=dynamic): always a valid tree within the budget, grown toward the
 heads' most probable paths, and lossless under greedy decoding (rejection sampling on them:
-tests/evaluation/test_decode.py)."""
+tests/decoding/test_decode.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from evaluation.decode import Decoder
-from evaluation.dynamic import DynamicTree, Shape, by_temperature, grow_dynamic
-from evaluation.tree import Tree, TreeError
 from tests.helpers import make_heads
+from train.decoding.decoder import Decoder
+from train.decoding.dynamic import DynamicTree, Shape, by_temperature, grow_dynamic
+from train.decoding.tree import Tree, TreeError
 
 
 @pytest.mark.parametrize("arch", ["medusa", "hydra", "hydra_pp"])
@@ -19,8 +19,13 @@ def test_dynamic_tree_is_a_tree_of_the_most_probable_paths(tiny_base, arch, draf
     heads = make_heads(tiny_base.model, arch, 4, 0.3, draft)
     embed = tiny_base.model.get_input_embeddings()
     spec = DynamicTree(budget=12, expand=3, width=4)
-    ctx = heads.context(torch.randn(1, 5, 64))[0, -1]
-    tree, tokens = grow_dynamic(spec, heads, embed, ctx, root=7)
+    ctxs = heads.context(torch.randn(2, 5, 64))[:, -1]
+    grown = grow_dynamic(spec, heads, embed, ctxs, torch.tensor([7, 7]))
+    ctx = ctxs[0]
+    tree, tokens = grown[0]
+    # a batch grows each row's own tree: row 1 has another context, so another tree
+    alone = grow_dynamic(spec, heads, embed, ctxs[1:], torch.tensor([7]))[0]
+    assert grown[1][0].paths == alone[0].paths and torch.equal(grown[1][1], alone[1])
     assert tree.num_nodes == 13 and tokens.shape == (13,) and int(tokens[0]) == 7
     assert tree.max_depth <= heads.num_heads
     assert Tree.from_paths(tree.to_json()).paths == tree.paths  # closed: every parent kept
@@ -56,10 +61,10 @@ def test_greedy_with_dynamic_trees_equals_plain_greedy(tiny_base, arch):
     heads = make_heads(tiny_base.model, arch, 5, 0.05)
     for prompt in ("hello there, how are you?", "count: 1 2 3 4"):
         ids = tiny_base.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        ref = Decoder(tiny_base.model, set(), heads).plain(ids, 40).tokens
+        ref = Decoder(tiny_base.model, set(), heads).plain([ids], 40)[0].tokens
         for spec in (DynamicTree(8, 2, 3), DynamicTree(24, 4, 4, depth=3)):
             dec = Decoder(tiny_base.model, set(), heads, spec)
-            gen = dec.speculative(ids, 40)
+            gen = dec.speculative([ids], 40)[0]
             assert gen.tokens == ref
             assert gen.steps == len(gen.accepted)
 

@@ -5,14 +5,12 @@ row's own entries, and the heads see the same context as at batch 1."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from evaluation.batched import plain_batch, speculative_batch
-from evaluation.decode import Decoder, SamplingConfig
-from evaluation.dynamic import DynamicTree
-from evaluation.kvcache import PreallocatedCache, keep_rows, select_rows
-from evaluation.tree import Tree, branching, chain
 from tests.helpers import make_heads
+from train.decoding.decoder import Decoder
+from train.decoding.dynamic import DynamicTree
+from train.decoding.sampling import SamplingConfig
+from train.decoding.tree import Tree, branching, chain
 
 PROMPTS = [
     "hello there, how are you?",
@@ -36,20 +34,19 @@ TREES = {
 
 @pytest.mark.parametrize("arch", ["medusa", "hydra", "hydra_pp"])
 @pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("kv_cache", ["static", "dynamic"])
-def test_batched_rows_are_their_batch_1_greedy_decodes(tiny_base, arch, tree, kv_cache):
+def test_batched_rows_are_their_batch_1_greedy_decodes(tiny_base, arch, tree):
     """Prompts of different lengths, one row ending at an EOS mid-batch: each row's tokens are
     batch-1 plain greedy's, and its acceptance per step is batch-1 speculative's (so the heads,
     Hydra++'s cached extra layer included, saw the same context)."""
     model, ids = tiny_base.model, _ids(tiny_base.tokenizer)
     heads = make_heads(model, arch, 1, 0.02)
-    first = Decoder(model, set(), heads, kv_cache=kv_cache).plain(ids[0], 30).tokens
+    first = Decoder(model, set(), heads).plain([ids[0]], 30)[0].tokens
     eos = {first[9]}  # row 0 ends early; others may too
-    dec = Decoder(model, eos, heads, TREES[tree](), kv_cache=kv_cache)
-    one_plain = [dec.plain(x, 30) for x in ids]
-    one_spec = [dec.speculative(x, 30) for x in ids]
-    spec = speculative_batch(dec, ids, 30)
-    plain = plain_batch(dec, ids, 30)
+    dec = Decoder(model, eos, heads, TREES[tree]())
+    one_plain = [dec.plain([x], 30)[0] for x in ids]
+    one_spec = [dec.speculative([x], 30)[0] for x in ids]
+    spec = dec.speculative(ids, 30)
+    plain = dec.plain(ids, 30)
     assert [g.tokens for g in spec] == [g.tokens for g in one_plain]
     assert [g.tokens for g in plain] == [g.tokens for g in one_plain]
     assert [g.finish for g in spec] == [g.finish for g in one_plain]
@@ -62,7 +59,7 @@ def test_batched_rows_are_their_batch_1_greedy_decodes(tiny_base, arch, tree, kv
 def test_batch_times_add_up_to_the_batch(tiny_base):
     model, ids = tiny_base.model, _ids(tiny_base.tokenizer)
     dec = Decoder(model, set(), make_heads(model, "hydra", 0, 0.02), Tree.from_paths(chain(3)))
-    gens = speculative_batch(dec, ids[:3], 12)
+    gens = dec.speculative(ids[:3], 12)
     assert all(g.total_s > g.prefill_s > 0 for g in gens)
     shares = [g.total_s / len(g.tokens) for g in gens]  # by tokens: equal per token
     assert max(shares) == pytest.approx(min(shares))
@@ -75,29 +72,9 @@ def test_batched_sampling_near_zero_temperature_is_greedy(tiny_base, tree):
     argmax, like greedy decoding."""
     model, ids = tiny_base.model, _ids(tiny_base.tokenizer)
     heads = make_heads(model, "hydra_pp", 1, 0.02)
-    greedy = [Decoder(model, set(), heads).plain(x, 20).tokens for x in ids]
+    greedy = [Decoder(model, set(), heads).plain([x], 20)[0].tokens for x in ids]
     for acceptance in ("rejection", "typical"):
         sampling = SamplingConfig(1e-4, acceptance, 0, 0.09, 0.3)
         spec = TREES[tree]() if tree == "dynamic" else Tree.from_paths(branching([2, 2]))
         dec = Decoder(model, set(), heads, spec, sampling)
-        assert [g.tokens for g in speculative_batch(dec, ids, 20)] == greedy
-
-
-def test_keep_rows_moves_each_rows_accepted_entries():
-    """Rows of lengths 3 and 5 wrote a 4-node tree at slots 5..8; row 0 keeps nodes 0, 2, row 1
-    nodes 0, 1, 3. Each row's prefix stays; its accepted entries follow its own prefix."""
-    cache = PreallocatedCache(2, 16)
-    keys = torch.arange(2 * 1 * 9, dtype=torch.float32).view(2, 1, 9, 1)
-    for layer in cache.layers:
-        layer.update(keys.clone(), keys.clone() + 100)
-    lengths = torch.tensor([3, 5])
-    start = keep_rows(cache, lengths, 5, [torch.tensor([0, 2]), torch.tensor([0, 1, 3])])
-    assert start == 8
-    for layer in cache.layers:
-        k = layer.key_buf[:, 0, :, 0]
-        assert k[0, :5].tolist() == [0, 1, 2, 5, 7]  # prefix 0..2, then tree slots 5 and 7
-        assert k[1, :8].tolist() == [9, 10, 11, 12, 13, 14, 15, 17]
-        assert layer.keys.shape[2] == 8 and layer.get_seq_length() == 8
-        assert torch.equal(layer.value_buf[:, 0, :8, 0], k[:, :8] + 100)
-    select_rows(cache, torch.tensor([1]), 8)  # row 0 leaves
-    assert cache.layers[0].key_buf[0, 0, :8, 0].tolist() == [9, 10, 11, 12, 13, 14, 15, 17]
+        assert [g.tokens for g in dec.speculative(ids, 20)] == greedy

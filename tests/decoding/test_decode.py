@@ -8,11 +8,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evaluation.decode import Decoder, SamplingConfig
-from evaluation.dynamic import DynamicTree
-from evaluation.tree import PRESETS, Tree, branching, chain
-from evaluation.verify import accept_greedy, accept_rejection
 from tests.helpers import OracleDecoder, make_heads, trees
+from train.decoding.decoder import Decoder
+from train.decoding.dynamic import DynamicTree
+from train.decoding.propose import Proposal
+from train.decoding.sampling import SamplingConfig, accept_greedy, accept_rejection
+from train.decoding.tree import PRESETS, Tree, branching, chain
 
 PROMPTS = ["hello there, how are you?", "count: 1 2 3 4", "<|im_start|>user\nhi<|im_end|>\n"]
 
@@ -44,10 +45,10 @@ def test_greedy_speculative_equals_plain_greedy(
     model = tiny_base.model
     heads = make_heads(model, arch, seed, scale, draft)
     ids = encode(tiny_base.tokenizer, prompt)
-    ref = Decoder(model, set(), heads).plain(ids, 40).tokens
+    ref = Decoder(model, set(), heads).plain([ids], 40)[0].tokens
     eos = {ref[eos_at]}  # an EOS somewhere in the middle of the reply
     dec = Decoder(model, eos, heads, Tree.from_paths(paths))
-    plain, spec = dec.plain(ids, 40), dec.speculative(ids, 40)
+    plain, spec = dec.plain([ids], 40)[0], dec.speculative([ids], 40)[0]
     assert spec.tokens == plain.tokens
     assert plain.tokens[-1] in eos and plain.finish == "eos" and spec.finish == "eos"
     assert spec.steps == len(spec.accepted) and (spec.tau >= 1.0 or spec.steps == 0)
@@ -55,7 +56,7 @@ def test_greedy_speculative_equals_plain_greedy(
 
 def test_plain_decode_matches_transformers_generate(tiny_base):
     ids = encode(tiny_base.tokenizer, PROMPTS[0])
-    ours = Decoder(tiny_base.model, set()).plain(ids, 30).tokens
+    ours = Decoder(tiny_base.model, set()).plain([ids], 30)[0].tokens
     out = tiny_base.model.generate(
         torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0
     )
@@ -67,12 +68,12 @@ def test_oracle_heads_accept_full_paths_and_keep_the_right_kv(tiny_base, true_pa
     model = tiny_base.model
     heads = make_heads(model, "hydra_pp", 0, 0.1)
     ids = encode(tiny_base.tokenizer, PROMPTS[1])
-    ref = Decoder(model, set(), heads).plain(ids, 60).tokens
+    ref = Decoder(model, set(), heads).plain([ids], 60)[0].tokens
     tree = Tree.from_paths(branching([3, 2, 2]))
     dec = OracleDecoder(
         model, set(), heads, tree, ref=ref, prompt_len=len(ids), true_path=true_path
     )
-    gen = dec.speculative(ids, 60)
+    gen = dec.speculative([ids], 60)[0]
     assert gen.tokens == ref
     # every step but the last accepts the whole path (3 drafts) + bonus: tau 4
     assert gen.accepted[:-1] == [3] * (len(gen.accepted) - 1)
@@ -83,8 +84,8 @@ def test_empty_tree_is_plain_decoding(tiny_base):
     heads = make_heads(tiny_base.model, "hydra", 0, 0.0)
     ids = encode(tiny_base.tokenizer, PROMPTS[0])
     dec = Decoder(tiny_base.model, set(), heads, Tree.from_paths(PRESETS["none"]))
-    gen = dec.speculative(ids, 12)
-    assert gen.tokens == dec.plain(ids, 12).tokens and gen.tau == 1.0
+    gen = dec.speculative([ids], 12)[0]
+    assert gen.tokens == dec.plain([ids], 12)[0].tokens and gen.tau == 1.0
 
 
 def test_prompt_too_long_for_the_model_fails_clearly(tiny_base):
@@ -92,8 +93,10 @@ def test_prompt_too_long_for_the_model_fails_clearly(tiny_base):
     dec = Decoder(tiny_base.model, set(), heads, Tree.from_paths(chain(4)))
     n = tiny_base.model.config.max_position_embeddings
     with pytest.raises(ValueError, match="exceeds the base model's"):
-        dec.speculative([5] * (n - 10), 20)
+        dec.speculative([[5] * (n - 10)], 20)
     with pytest.raises(ValueError, match="empty prompt"):
+        dec.plain([[]], 5)
+    with pytest.raises(ValueError, match="no prompts"):
         dec.plain([], 5)
 
 
@@ -104,8 +107,15 @@ def test_greedy_rule_follows_the_matching_child():
     logits[0, 5] = 1  # after the root the base picks 5: node 2 (rank 1)
     logits[2, 9] = 1  # after node 2 it picks 9: node 4
     logits[4, 6] = 1  # bonus 6
-    nodes, bonus = accept_greedy(tree, tokens, lambda i: logits[i])
+    # a second row of the batch, whose base picks what no child holds: it keeps the root
+    other = torch.zeros(5, 10)
+    other[0, 8] = 1
+    rows = torch.stack([logits, other])
+    (nodes, bonus), (nodes2, bonus2) = accept_greedy(
+        [tree, tree], torch.stack([tokens, tokens]), lambda r, i: rows[r, i]
+    )
     assert nodes.tolist() == [0, 2, 4] and bonus == 6
+    assert nodes2.tolist() == [0] and bonus2 == 8
 
 
 def test_sampling_config_rejects_mismatched_rules():
@@ -161,13 +171,14 @@ class TopKDecoder(Decoder):
         super().__init__(*a, **k)
         self.prompt = prompt
 
-    def propose(self, ctx, root, position):
+    def propose(self, ctx, roots, lengths):
+        root = int(roots[0])
         with torch.no_grad():
             logits = self.model(torch.tensor([[*self.prompt, root]])).logits[0, -1]
-        tokens = torch.empty(self.tree.num_nodes, dtype=torch.long)
-        tokens[0] = root
-        tokens[1:] = logits.topk(self.tree.num_nodes - 1).indices
-        return tokens
+        tokens = torch.empty(1, self.tree.num_nodes, dtype=torch.long)
+        tokens[0, 0] = root
+        tokens[0, 1:] = logits.topk(self.tree.num_nodes - 1).indices
+        return Proposal([self.tree], tokens, self.proposer.bias, self.proposer.depth)
 
 
 @pytest.mark.parametrize("kind", ["fixed", "dynamic"])
@@ -197,7 +208,7 @@ def test_rejection_sampling_end_to_end_matches_direct_sampling(tiny_base, kind):
     counts = torch.zeros(V)
     accepted = 0
     for _ in range(runs):
-        gen = dec.speculative(ids, 2)
+        gen = dec.speculative([ids], 2)[0]
         counts[gen.tokens[1]] += 1
         accepted += gen.accepted[0] > 0
     assert 0.07 * runs < accepted < 0.95 * runs  # both the draft and the bonus branch ran
@@ -208,7 +219,7 @@ def test_rejection_sampling_end_to_end_matches_direct_sampling(tiny_base, kind):
 def test_typical_acceptance_runs_and_stays_in_the_typical_set(tiny_base):
     """Every emitted token, accepted draft or bonus, lies in the base's typical set at its
     position: p(x_t) > min(threshold, alpha * e^-H(p)) at temperature T (Medusa's rule)."""
-    from evaluation.verify import typical_threshold
+    from train.decoding.sampling import typical_threshold
 
     heads = make_heads(tiny_base.model, "hydra", 2, 0.0)
     ids = encode(tiny_base.tokenizer, PROMPTS[0])
@@ -219,7 +230,7 @@ def test_typical_acceptance_runs_and_stays_in_the_typical_set(tiny_base):
         posterior_alpha=alpha,
     )  # fmt: skip
     dec = Decoder(tiny_base.model, set(), heads, Tree.from_paths(PRESETS["sparse_15"]), sampling)
-    gen = dec.speculative(ids, 30)
+    gen = dec.speculative([ids], 30)[0]
     assert len(gen.tokens) == 30 and gen.steps == len(gen.accepted)
     assert sum(gen.accepted) > 0  # drafts were accepted, not only bonus tokens
     with torch.no_grad():  # the base's distribution before each emitted token, teacher-forced

@@ -266,3 +266,11 @@ def grow(acc: torch.Tensor, budget: int) -> list[list[int]]:
             for r in range(R):
                 frontier[best + (r,)] = prob[best] * float(acc[len(best), r])
     return [list(p) for p in chosen]
+
+
+def tree_bias(tree: Tree, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Additive attention bias among the tree's nodes: 0 where a node sees an ancestor or
+    itself, the dtype's minimum elsewhere. (N, N)."""
+    neg = torch.finfo(dtype).min
+    bias = torch.full(tree.mask.shape, neg, dtype=dtype)
+    return bias.masked_fill(tree.mask, 0.0).to(device)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from evaluation.tree import Tree, TreeError
+from train.decoding.tree import Tree, TreeError
 
 
 @dataclass(frozen=True)
@@ -57,46 +57,56 @@ class DynamicTree:
 
 @torch.no_grad()
 def grow_dynamic(
-    spec: DynamicTree, heads, embed, ctx: torch.Tensor, root: int
-) -> tuple[Tree, torch.Tensor]:
-    """The step's tree and its tokens (N,), root first, in the tree's node order.
+    spec: DynamicTree, heads, embed, ctx: torch.Tensor, roots: torch.Tensor
+) -> list[tuple[Tree, torch.Tensor]]:
+    """Each row's tree and its tokens (N_b,), root first, in the tree's node order.
 
-    ctx: (H,) the heads' context at the last accepted position; root: the base's next token.
+    ctx: (B, H) the heads' context at each row's last accepted position; roots: (B,) each
+    row's next token from the base. Every depth is one heads call for every row and node it
+    expands.
     """
-    device = ctx.device
+    B = ctx.shape[0]
     D = spec.levels(heads.num_heads)
-    # candidates: path of ranks -> (token, log cumulative probability); the root has path ()
-    paths: list[tuple[int, ...]] = []
-    tokens: list[int] = []
-    logp: list[float] = []
-    frontier = [((), [root], 0.0)]  # (rank path, token path root first, log cum prob)
+    toks = roots.view(B, 1, 1)  # (B, P, d + 1): the frontier's token paths, root first
+    lp = torch.zeros(B, 1, device=ctx.device)  # (B, P) their log cumulative probability
+    ranks: list[list[tuple[int, ...]]] = [[()] for _ in range(B)]  # their rank paths
+    found: list[list[tuple[tuple[int, ...], int, float]]] = [[] for _ in range(B)]
     for d in range(D):
-        frontier.sort(key=lambda f: -f[2])
-        grow = frontier[: spec.expand]
+        P = toks.shape[1]
         if heads.uses_path:
-            path = torch.tensor([f[1] for f in grow], device=device)  # (P, d + 1)
-            state = heads.head_input(d, ctx.expand(len(grow), -1), embed(path))
-            lp = F.log_softmax(heads.logits(d, state).float(), dim=-1)  # (P, V_out)
+            x = ctx[:, None].expand(B, P, -1).reshape(B * P, -1)
+            state = heads.head_input(d, x, embed(toks.reshape(B * P, -1)))
+            logq = F.log_softmax(heads.logits(d, state).float(), dim=-1).view(B, P, -1)
         else:  # Medusa: one distribution per depth, whatever the parent
-            state = heads.head_input(d, ctx[None], None)
-            lp = F.log_softmax(heads.logits(d, state).float(), dim=-1).expand(len(grow), -1)
-        top = lp.topk(min(spec.width, lp.shape[-1]), dim=-1)
+            state = heads.head_input(d, ctx, None)
+            logq = F.log_softmax(heads.logits(d, state).float(), dim=-1)[:, None]
+            logq = logq.expand(B, P, -1)
+        W = min(spec.width, logq.shape[-1])
+        top = logq.topk(W, dim=-1)  # (B, P, W)
         ids = top.indices if heads.draft is None else heads.draft.to_full[top.indices]
-        vals, ids = top.values.tolist(), ids.tolist()
-        frontier = []
-        for (ranks, toks, base_lp), row_v, row_i in zip(grow, vals, ids, strict=True):
-            for r, (v, t) in enumerate(zip(row_v, row_i, strict=True)):
-                child = (ranks + (r,), toks + [t], base_lp + v)
-                frontier.append(child)
-                paths.append(child[0])
-                tokens.append(t)
-                logp.append(child[2])
-    # the budget best by cumulative probability; a parent sorts before its children
-    order = sorted(range(len(paths)), key=lambda i: (-logp[i], len(paths[i])))[: spec.budget]
-    kept = {paths[i]: tokens[i] for i in order}
-    tree = Tree.from_paths(list(kept))
-    node_tokens = [root] + [kept[p] for p in tree.paths]
-    return tree, torch.tensor(node_tokens, dtype=torch.long, device=device)
+        child_lp = (lp[:, :, None] + top.values).reshape(B, P * W)
+        child_ids = ids.reshape(B, P * W)
+        child_ranks = [[r + (w,) for r in row for w in range(W)] for row in ranks]
+        for b, (rs, ts, ls) in enumerate(
+            zip(child_ranks, child_ids.tolist(), child_lp.tolist(), strict=True)
+        ):
+            found[b].extend(zip(rs, ts, ls, strict=True))
+        # the next depth expands the `expand` most probable children (ties: tree order)
+        E = min(spec.expand, P * W)
+        order = torch.sort(child_lp, dim=-1, descending=True, stable=True).indices[:, :E]
+        parent = (order // W)[:, :, None].expand(-1, -1, d + 1)
+        toks = torch.cat([toks.gather(1, parent), child_ids.gather(1, order)[:, :, None]], -1)
+        lp = child_lp.gather(1, order)
+        ranks = [[child_ranks[b][j] for j in row] for b, row in enumerate(order.tolist())]
+    out = []
+    for b in range(B):
+        # the budget best by cumulative probability; a parent sorts before its children
+        best = sorted(found[b], key=lambda c: (-c[2], len(c[0])))[: spec.budget]
+        kept = {r: t for r, t, _ in best}
+        tree = Tree.from_paths(list(kept))
+        node_tokens = [int(roots[b])] + [kept[p] for p in tree.paths]
+        out.append((tree, torch.tensor(node_tokens, dtype=torch.long, device=ctx.device)))
+    return out
 
 
 @dataclass(frozen=True)

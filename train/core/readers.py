@@ -18,6 +18,21 @@ log = logging.getLogger(__name__)
 MAX_EXAMPLES = 3  # first few examples of each skip reason that are logged and kept in the stats
 
 
+# Chat record roles as datasets spell them -> the chat template's roles.
+DEFAULT_ROLE_MAP: dict[str, str] = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "tool": "tool",
+}
+
+
 class DataError(UserError, RuntimeError):
     """Input data cannot be read at all (missing file, unreadable dataset)."""
 

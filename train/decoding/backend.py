@@ -7,13 +7,19 @@
   verify). `sdpa_gqa` hands the grouped heads to torch's SDPA with `enable_gqa=True` instead.
 - Precision: `bf16` casts the base's weights (AVX512-BF16 / AMX CPUs and every GPU run a
   bf16 matmul of a few rows at the cost of one); `int8` is torch's dynamic int8 quantization
-  of the linear layers on CPU (weights int8, activations quantized per call). The heads stay
-  in float32 either way. Speculative and plain decoding share the one quantized base, so
-  "lossless" means identical to plain greedy decoding of that base.
+  of the linear layers on CPU (weights int8, activations quantized per call). Speculative and
+  plain decoding share the one quantized base, so "lossless" means identical to plain greedy
+  decoding of that base. The heads run in the base's compute dtype (bf16 on a bf16 base,
+  float32 on an int8 one).
+- Compile: `compile_body` compiles the base's body (inductor with frozen weights on CPU, CUDA
+  graphs on CUDA); the decoder keeps one graph per verify size and capacity bucket.
+- `forward`: the base over new tokens at given positions, appending to a cache.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 
 import torch
@@ -105,3 +111,59 @@ def compute_dtype(model: nn.Module) -> torch.dtype:
         if p.dtype.is_floating_point:
             return p.dtype
     return torch.float32
+
+
+def compile_body(model: nn.Module):
+    """torch.compile of the base's body (no output projection): inductor with frozen weights
+    on CPU, CUDA graphs (mode=reduce-overhead) on CUDA."""
+    import torch._dynamo.config as dynamo_config
+
+    # a graph per (verify size, capacity bucket) and per compiled model: a multi-turn suite
+    # with trees passes dynamo's default limit of 8, past which it falls back to eager
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 512)
+    device = next(model.parameters()).device
+    if device.type == "cpu":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True  # weights as constants: prepacked for oneDNN
+        return torch.compile(model.model, dynamic=False)
+    return torch.compile(model.model, dynamic=False, mode="reduce-overhead")
+
+
+@functools.cache
+def cache_kwarg(model_cls: type) -> str:
+    """transformers 5 renames `past_key_values` to `cache`; use whichever this version takes."""
+    params = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.no_grad()
+def forward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    cache,
+    mask: torch.Tensor | None = None,
+    hidden_state_offset: int = 0,
+    body=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The base's body over `input_ids` (B, n) at `positions` (B, n), appending to `cache`,
+    under the additive `mask` (B, 1, n, cached + n), or causal attention when None.
+
+    Returns the final (post-norm) hidden states (B, n, H), which the base's lm_head turns into
+    logits, and the hidden states the heads read: the same tensor, or the output of the
+    `hidden_state_offset`-th layer from the end when the heads were trained on that.
+    `body`: what runs in place of `model.model` (its compiled version).
+    """
+    out = (body if body is not None else model.model)(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        output_hidden_states=hidden_state_offset > 0,
+        **{cache_kwarg(type(model.model)): cache},
+    )
+    final = out.last_hidden_state
+    ctx = final if hidden_state_offset == 0 else out.hidden_states[-1 - hidden_state_offset]
+    return final, ctx

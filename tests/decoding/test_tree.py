@@ -6,7 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from evaluation.tree import (
+from tests.helpers import trees
+from train.decoding.tree import (
     MC_SIM_7B_63,
     PRESETS,
     Tree,
@@ -16,7 +17,6 @@ from evaluation.tree import (
     expected_length,
     grow,
 )
-from tests.helpers import trees
 
 
 def test_mask_positions_and_retrieve_of_a_small_tree():

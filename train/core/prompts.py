@@ -1,4 +1,4 @@
-"""Evaluation prompt sets: held-out first turns of prepared data, or a jsonl of prompts / chats
+"""Prompt sets for decoding: held-out first turns of prepared data, or a jsonl of prompts / chats
 (the named suites, MT-Bench and HumanEval, are in evaluation/suites.py)."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data_prep.normalize import DEFAULT_ROLE_MAP
-from data_prep.readers import DataError, SkipLog, iter_jsonl
 from train.core.errors import NotFound
+from train.core.readers import DEFAULT_ROLE_MAP, DataError, SkipLog, iter_jsonl
 
 
 @dataclass

@@ -1,0 +1,86 @@
+"""The decode backend: the grouped-KV attention kernel, quantized bases, and compiled decoding,
+each against the plain path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.helpers import make_heads
+from train.decoding.backend import BackendError, forward, quantize_base, use_gqa_attention
+from train.decoding.cache import new_cache
+from train.decoding.decoder import Decoder
+from train.decoding.tree import PRESETS, Tree, tree_bias
+
+PROMPT = [5, 17, 3, 99, 42, 7, 61, 8, 23, 11]
+
+
+def test_gqa_attention_equals_transformers_sdpa(tiny_base):
+    """The grouped-KV kernel against transformers' own sdpa (which repeats the KV heads), with a
+    tree mask over a cached prefix and without a mask."""
+    assert tiny_base.model.config.num_key_value_heads < tiny_base.model.config.num_attention_heads
+    ours = copy.deepcopy(tiny_base.model)
+    use_gqa_attention(ours)
+    assert ours.config._attn_implementation != tiny_base.model.config._attn_implementation
+    tree = Tree.from_paths(PRESETS["sparse_7"])
+    mask = torch.zeros(1, 1, tree.num_nodes, 10 + tree.num_nodes)
+    mask[0, 0, :, 10:] = tree_bias(tree, torch.float32)
+    tokens = torch.randint(0, 200, (1, tree.num_nodes))
+    outs = []
+    for model in (tiny_base.model, ours):
+        cache = new_cache(model, 32)
+        a, _ = forward(model, torch.tensor([PROMPT]), torch.arange(10)[None], cache)
+        b, _ = forward(model, tokens, (10 + tree.depth)[None], cache, mask)
+        outs.append(torch.cat([a[0], b[0]]))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int8"])
+def test_quantized_base_decodes_its_own_greedy_tokens_with_heads_in_its_dtype(tiny_base, quant):
+    """Plain decoding through our loop equals transformers' generate on the same quantized
+    model; speculative decoding runs the heads in the base's compute dtype (a copy: the heads
+    given stay float32) and emits valid tokens."""
+    model = quantize_base(copy.deepcopy(tiny_base.model), quant)
+    linear = type(model.model.layers[0].mlp.down_proj).__module__
+    assert ("quantized" in linear) == (quant == "int8")
+    assert (next(model.parameters()).dtype == torch.bfloat16) == (quant == "bf16")
+    heads = make_heads(tiny_base.model, "hydra", 2, 0.05)
+    dec = Decoder(model, set(), heads, Tree.from_paths(PRESETS["sparse_15"]))
+    want = torch.bfloat16 if quant == "bf16" else torch.float32
+    assert dec.embed.weight.dtype == want and next(dec.heads.parameters()).dtype == want
+    assert next(heads.parameters()).dtype == torch.float32
+    ref = model.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()  # fmt: skip
+    assert dec.plain([PROMPT], 20)[0].tokens == ref
+    spec = dec.speculative([PROMPT], 20)[0]
+    assert len(spec.tokens) == 20 and spec.tau >= 1.0
+    assert all(0 <= t < model.config.vocab_size for t in spec.tokens)
+
+
+def test_unknown_quantization_fails_clearly(tiny_base):
+    with pytest.raises(BackendError, match="eval.base_quant='fp4' is invalid"):
+        quantize_base(tiny_base.model, "fp4")
+
+
+def test_compiled_decoding_is_lossless_and_reports_its_compile_time(tiny_base):
+    """eval.compile: one graph per (tokens per forward, capacity bucket), its compile time
+    apart from the decode times, and the same tokens as eager plain greedy decoding."""
+    heads = make_heads(tiny_base.model, "hydra_pp", 3, 0.05)
+    ref = Decoder(tiny_base.model, set(), heads).plain([PROMPT], 24)[0].tokens
+    tree = Tree.from_paths(PRESETS["sparse_7"])
+    dec = Decoder(tiny_base.model, set(), heads, tree, compile=True)
+    spec = dec.speculative([PROMPT], 24)[0]
+    assert spec.tokens == ref
+    assert dec.plain([PROMPT], 24)[0].tokens == ref
+    assert dec.compiled_shapes == {(1, 256), (tree.num_nodes, 256)}
+    assert spec.compile_s > 0 and dec.compile_s >= spec.compile_s
+    again = dec.speculative([PROMPT], 24)[0]  # nothing left to compile
+    assert again.tokens == ref and again.compile_s == 0
+    # another prompt and length: the graphs write into the bucket's one cache, not a stale one
+    longer = list(range(5, 35))
+    ref = Decoder(tiny_base.model, set(), heads).plain([longer], 150)[0].tokens
+    assert dec.speculative([longer], 150)[0].tokens == ref
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        dec.plain([PROMPT, longer], 8)
