@@ -3,22 +3,23 @@ speedup each decode-backend feature buys, measured side by side in one run.
 
 Usage: python evaluation/benchmarks/bench_decode.py [--heads runs/demo/train/heads]
        [--prompts 4] [--max-new-tokens 64] [--context 300] [--reps 5] [--threads 2]
-       [--tree sparse_15] [--compile-sizes 1,4,16,64] [--sections 1,2,3]
+       [--tree sparse_15] [--batch 4] [--skip compiled fp32,...] [--sections 1,2,3]
 
 Prints:
   1. the cost of one base forward over n = 1, 2, 4, ..., 64 new tokens on a `--context`-token
      KV cache (the verify pass of an (n-1)-node tree, tree mask included) relative to a
-     one-token step of the same backend: transformers' own path (DynamicCache, its sdpa), the
-     static cache with the grouped-KV kernel in float32, bf16 and int8, and compiled
-     (`--compile-sizes` only: each size compiles its own graph). Goal: 16 tokens <= 1.3x.
+     one-token step of the same backend: the engine's cache with transformers' sdpa attention,
+     and with the grouped-KV kernel in float32, bf16 and int8. Goal: 16 tokens <= 1.3x.
   2. per tree (chain, sparse presets, calibrated trees of several sizes, dynamic trees), on the
-     fastest backend that is exactly lossless: the whole speculative step (propose, verify,
-     accept, KV upkeep; a real 24-token decode, per base forward) relative to a plain step,
-     which is the break-even tau (speculation pays when tau exceeds it), beside its tau.
+     float32 base: the whole speculative step (a real 24-token decode, per base forward)
+     relative to a plain step, which is the break-even tau (speculation pays when tau exceeds
+     it), beside its tau, and where the step's time goes: propose, verify, bookkeeping.
   3. speculative / plain wall clock on MT-Bench first turns (both decoded in the same run,
-     interleaved, on the same backend) for each feature alone and all together: the static
-     cache, compile, the dynamic tree, int8 and bf16. Goals: >= 1.5x with the one-hour recipe's
-     heads, >= 1.0x with the demo's. Compile time is printed apart and is in no figure.
+     interleaved, on the same backend) per backend and tree: float32, int8, bf16, compiled,
+     fixed and dynamic trees, batch 1 and `--batch`; with each one's per-step breakdown and
+     the share of propose + bookkeeping in a step. Goals: >= 1.5x on a bf16 base and >= 1.2x on
+     float32 with the one-hour recipe's heads, >= 1.0x at batch 4 in bf16, propose +
+     bookkeeping <= 15% of a step. Compile time is printed apart and is in no figure.
 
 Timings are medians of `--reps` after a warm-up.
 """
@@ -38,31 +39,34 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from evaluation.backend import quantize_base, use_gqa_attention  # noqa: E402
 from evaluation.calibrate import calibrate  # noqa: E402
 from evaluation.config import CalibratedTree  # noqa: E402
-from evaluation.decode import Decoder, eos_ids  # noqa: E402
-from evaluation.dynamic import DynamicTree  # noqa: E402
 from evaluation.evaluate import calibration_rows, render_chat  # noqa: E402
-from evaluation.prompts import held_out_prompts, prepared_rows  # noqa: E402
 from evaluation.suites import suite_prompts  # noqa: E402
-from evaluation.tree import PRESETS, Tree, chain, grow  # noqa: E402
-from evaluation.verify import tree_bias  # noqa: E402
 from train.core.base import load_base, recorded_base  # noqa: E402
 from train.core.checkpoint import read_meta  # noqa: E402
 from train.core.config import from_group  # noqa: E402
+from train.core.prompts import held_out_prompts, prepared_rows  # noqa: E402
+from train.decoding.backend import forward, quantize_base, use_gqa_attention  # noqa: E402
+from train.decoding.cache import new_cache  # noqa: E402
+from train.decoding.decoder import Decoder  # noqa: E402
+from train.decoding.dynamic import DynamicTree  # noqa: E402
+from train.decoding.generation import Generation  # noqa: E402
+from train.decoding.sampling import eos_ids  # noqa: E402
+from train.decoding.tree import PRESETS, Tree, chain, grow, tree_bias  # noqa: E402
 from train.heads import load_heads  # noqa: E402
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
-# backend name -> (kv cache, base weights, compiled, transformers' own attention)
+# backend name -> (base weights, compiled, transformers' own attention)
 BACKENDS = {
-    "transformers fp32": ("dynamic", "none", False, True),
-    "static fp32": ("static", "none", False, False),
-    "static bf16": ("static", "bf16", False, False),
-    "static int8": ("static", "int8", False, False),
-    "compiled fp32": ("static", "none", True, False),
-    "compiled bf16": ("static", "bf16", True, False),
+    "hf-attention fp32": ("none", False, True),
+    "fp32": ("none", False, False),
+    "bf16": ("bf16", False, False),
+    "int8": ("int8", False, False),
+    "compiled fp32": ("none", True, False),
+    "compiled bf16": ("bf16", True, False),
 }
+EAGER = [name for name, (_, compiled, _) in BACKENDS.items() if not compiled]
 
 
 def median_time(fn, reps: int) -> float:
@@ -84,14 +88,13 @@ class Backends:
 
     def get(self, name: str) -> Decoder:
         if name not in self.decoders:
-            kv, quant, compiled, hf_attention = BACKENDS[name]
+            quant, compiled, hf_attention = BACKENDS[name]
             model = quantize_base(copy.deepcopy(self.model), quant)
             if not hf_attention:
                 use_gqa_attention(model)
             self.decoders[name] = Decoder(
-                model, self.eos, self.heads, hidden_state_offset=self.offset, kv_cache=kv,
-                compile=compiled,
-            )  # fmt: skip
+                model, self.eos, self.heads, hidden_state_offset=self.offset, compile=compiled
+            )
         return self.decoders[name]
 
 
@@ -100,42 +103,43 @@ def verify_cost(dec: Decoder, context: int, n: int, reps: int) -> float:
     `context`-token prefix, the cache cut back to the prefix after each."""
     torch.manual_seed(0)
     vocab = dec.model.config.vocab_size
-    prefix = torch.randint(0, vocab, (context,))
-    dec.tree = None
-    cache, _ = dec._caches(context, 64)
-    dec._forward(prefix, torch.arange(context), cache)
-    x = torch.randint(0, vocab, (n,))
-    bias = tree_bias(Tree.from_paths(chain(n - 1)), dec.dtype) if n > 1 else None
-    pos = context + torch.arange(n)
+    cache = new_cache(dec.model, context + 64)
+    prefix = torch.randint(0, vocab, (1, context))
+    forward(dec.model, prefix, torch.arange(context)[None], cache)
+    x = torch.randint(0, vocab, (1, n))
+    mask = None
+    if n > 1:
+        mask = torch.zeros(1, 1, n, context + n, dtype=dec.dtype)
+        mask[0, 0, :, context:] = tree_bias(Tree.from_paths(chain(n - 1)), dec.dtype)
+    pos = (context + torch.arange(n))[None]
 
     def run() -> None:
-        dec._forward(x, pos, cache, bias)
-        if dec.compiled is None:
-            cache.crop(-n)  # drop the n new entries
-        else:
-            for layer in cache.layers:
-                layer.cumulative_length.fill_(context)
+        forward(dec.model, x, pos, cache, mask)
+        cache.crop(-n)  # drop the n new entries
 
     return median_time(run, reps)
+
+
+def breakdown(gens: list[Generation]) -> tuple[float, float, float, float]:
+    """Per base forward: propose, verify, bookkeeping ms, and propose + bookkeeping's share."""
+    steps = max(max(g.steps for g in gens), 1)
+    p, v, b = (1e3 * sum(getattr(g, f) for g in gens) / steps
+               for f in ("propose_s", "verify_s", "bookkeeping_s"))  # fmt: skip
+    return p, v, b, (p + b) / max(p + v + b, 1e-9)
 
 
 def section_verify(backends: Backends, args, console: Console) -> None:
     t = Table(title=f"one base forward of n tokens on a {args.context}-token cache, "
               "relative to a one-token step of the same backend (ms in brackets)")  # fmt: skip
     t.add_column("n", justify="right")
-    compile_sizes = [int(s) for s in args.compile_sizes.split(",") if s]
     costs: dict[str, dict[int, float]] = {}
-    for name in BACKENDS:
+    for name in EAGER:
         dec = backends.get(name)
-        sizes = compile_sizes if dec.compiled is not None else SIZES
-        c0 = dec.compile_s
-        costs[name] = {n: verify_cost(dec, args.context, n, args.reps) for n in sizes}
+        costs[name] = {n: verify_cost(dec, args.context, n, args.reps) for n in SIZES}
         t.add_column(name, justify="right")
-        if dec.compiled is not None:
-            console.print(f"{name}: compiling {len(sizes)} graphs took {dec.compile_s - c0:.0f} s")
     for n in SIZES:
         cells = []
-        for name in BACKENDS:
+        for name in EAGER:
             c = costs[name]
             cells.append(f"{c[n] / c[1]:.2f} ({c[n] * 1e3:.0f})" if n in c and 1 in c else "-")
         t.add_row(str(n), *cells)
@@ -163,69 +167,78 @@ def section_trees(dec: Decoder, name: str, trees, prompt, reps, console: Console
     plain = dec.decode_step_seconds(prompt, 24, reps)
     t = Table(title=f"speculative step vs plain step ({plain * 1e3:.1f} ms) on {name}, after a "
               f"{len(prompt)}-token prompt: break-even tau = step / plain")  # fmt: skip
-    for col in ("tree", "nodes", "step ms", "break-even tau", "tau (24-token decode)"):
+    for col in ("tree", "nodes", "step ms", "break-even tau", "tau (24-token decode)",
+                "propose / verify / bookkeeping ms", "propose+bookkeeping"):  # fmt: skip
         t.add_column(col, justify="right")
     for tname, tree in trees.items():
         dec.set_tree(tree)
         step = dec.decode_step_seconds(prompt, 24, reps)
-        tau = dec.speculative(prompt, 24).tau
+        gen = dec.speculative([prompt], 24)[0]
+        p, v, b, share = breakdown([gen])
         nodes = tree.budget if isinstance(tree, DynamicTree) else tree.num_nodes - 1
-        t.add_row(tname, str(nodes), f"{step * 1e3:.1f}", f"{step / plain:.2f}", f"{tau:.2f}")
+        t.add_row(tname, str(nodes), f"{step * 1e3:.1f}", f"{step / plain:.2f}",
+                  f"{gen.tau:.2f}", f"{p:.1f} / {v:.1f} / {b:.1f}", f"{share:.0%}")  # fmt: skip
     console.print(t)
 
 
-def compare(dec: Decoder, tree, prompts, max_new: int) -> dict:
-    """Speculative and plain decoding of `prompts` on `dec`, interleaved."""
+def compare(dec: Decoder, tree, prompts, max_new: int, batch: int = 1) -> dict:
+    """Speculative and plain decoding of `prompts` on `dec`, `batch` at a time, interleaved."""
     dec.set_tree(tree)
-    for p in prompts[:1]:  # warm-up (and, when compiled, compile) both paths
-        dec.speculative(p, 8)
-        dec.plain(p, 8)
-    spec_s = plain_s = 0.0
-    spec_n = plain_n = steps = acc = same = 0
-    for i, p in enumerate(prompts):
-        order = (dec.speculative, dec.plain) if i % 2 == 0 else (dec.plain, dec.speculative)
-        out = {fn.__name__: fn(p, max_new) for fn in order}
-        s, q = out["speculative"], out["plain"]
-        spec_s, spec_n = spec_s + s.total_s, spec_n + len(s.tokens)
-        plain_s, plain_n = plain_s + q.total_s, plain_n + len(q.tokens)
-        steps, acc = steps + s.steps, acc + sum(s.accepted)
-        same += s.tokens == q.tokens
+    dec.speculative(prompts[:batch], 8)  # warm-up (and, when compiled, compile) both paths
+    dec.plain(prompts[:batch], 8)
+    spec: list[Generation] = []
+    plain: list[Generation] = []
+    shares = []
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        order = ("spec", "plain") if (i // batch) % 2 == 0 else ("plain", "spec")
+        out = {w: (dec.speculative if w == "spec" else dec.plain)(group, max_new) for w in order}
+        spec += out["spec"]
+        plain += out["plain"]
+        shares.append(breakdown(out["spec"]))
+    steps = sum(g.steps for g in spec)
+    spec_tok = sum(len(g.tokens) for g in spec) / sum(g.total_s for g in spec)
+    plain_tok = sum(len(g.tokens) for g in plain) / sum(g.total_s for g in plain)
+    p, v, b = (statistics.mean(x[j] for x in shares) for j in range(3))
     return {
-        "tau": (acc + steps) / max(steps, 1),
-        "spec": spec_n / spec_s,
-        "plain": plain_n / plain_s,
-        "speedup": (spec_n / spec_s) / (plain_n / plain_s),
-        "same": f"{same}/{len(prompts)}",
+        "tau": (sum(sum(g.accepted) for g in spec) + steps) / max(steps, 1),
+        "spec": spec_tok,
+        "plain": plain_tok,
+        "speedup": spec_tok / plain_tok,
+        "same": f"{sum(s.tokens == q.tokens for s, q in zip(spec, plain, strict=True))}"
+        f"/{len(prompts)}",
+        "breakdown": f"{p:.1f} / {v:.1f} / {b:.1f}",
+        "overhead": (p + b) / max(p + v + b, 1e-9),
     }
 
 
 def section_features(backends: Backends, fixed: Tree, prompts, args, console: Console) -> None:
     dynamic = DynamicTree(budget=fixed.num_nodes - 1, expand=4, width=4)
     runs = {
-        "before: transformers cache, fixed tree": ("transformers fp32", fixed),
-        "static cache": ("static fp32", fixed),
-        "compile": ("compiled fp32", fixed),
-        "dynamic tree": ("transformers fp32", dynamic),
-        "int8 base": ("static int8", fixed),
-        "bf16 base": ("static bf16", fixed),
-        "static + dynamic + int8": ("static int8", dynamic),
-        "all: static + compile + dynamic + bf16": ("compiled bf16", dynamic),
+        "fp32": ("fp32", fixed, 1),
+        "fp32, dynamic tree": ("fp32", dynamic, 1),
+        "int8": ("int8", fixed, 1),
+        "bf16": ("bf16", fixed, 1),
+        "bf16, dynamic tree": ("bf16", dynamic, 1),
+        f"bf16, batch {args.batch}": ("bf16", fixed, args.batch),
+        "compiled fp32": ("compiled fp32", fixed, 1),
+        "compiled bf16": ("compiled bf16", fixed, 1),
     }
-    baseline_plain = None
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     t = Table(title=f"speculative / plain on {len(prompts)} MT-Bench first turns x "
               f"{args.max_new_tokens} tokens, tree {args.tree} ({fixed.num_nodes - 1} nodes; "
               "dynamic trees: the same budget)")  # fmt: skip
-    for col in ("features", "tau", "spec tok/s", "plain tok/s", "speedup",
-                "spec vs fp32 plain", "same as plain"):  # fmt: skip
+    for col in ("backend", "tau", "spec tok/s", "plain tok/s", "speedup", "same as plain",
+                "propose / verify / bookkeeping ms", "propose+bookkeeping"):  # fmt: skip
         t.add_column(col, justify="right")
-    for label, (backend, tree) in runs.items():
-        dec = backends.get(backend)
-        r = compare(dec, tree, prompts, args.max_new_tokens)
-        if baseline_plain is None:
-            baseline_plain = r["plain"]
-        vs_fp32 = r["spec"] / baseline_plain
+    for label, (backend, tree, batch) in runs.items():
+        if label in skip or backend in skip:
+            continue
+        r = compare(backends.get(backend), tree, prompts, args.max_new_tokens, batch)
         t.add_row(label, f"{r['tau']:.2f}", f"{r['spec']:.1f}", f"{r['plain']:.1f}",
-                  f"{r['speedup']:.2f}x", f"{vs_fp32:.2f}x", r["same"])  # fmt: skip
+                  f"{r['speedup']:.2f}x", r["same"], r["breakdown"],
+                  f"{r['overhead']:.0%}")  # fmt: skip
+        console.print(f"  {label}: {r['speedup']:.2f}x at tau {r['tau']:.2f}")
     console.print(t)
     for name, dec in backends.decoders.items():
         if dec.compiled is not None:
@@ -243,7 +256,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tree", default="sparse_15", help="the fixed tree of section 3")
-    ap.add_argument("--compile-sizes", default="1,4,16,64")
+    ap.add_argument("--batch", type=int, default=4, help="the batched row of section 3")
+    ap.add_argument("--skip", default="", help="section 3 rows to leave out, e.g. compiled")
     ap.add_argument("--sections", default="1,2,3")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -270,7 +284,7 @@ def main() -> None:
         _, next_row = held_out_prompts(ds, 1, 1024)
         rows = calibration_rows(ds, next_row, from_group(CalibratedTree, "tree", "calibrated"))
         calib = calibrate(base.model, heads, rows, 10, offset)
-        section_trees(backends.get("static fp32"), "static fp32", trees_to_try(heads, calib),
+        section_trees(backends.get("fp32"), "fp32", trees_to_try(heads, calib),
                       prompts[0], args.reps, console)  # fmt: skip
     if 3 in sections:
         fixed = Tree.from_paths(PRESETS[args.tree] if args.tree in PRESETS

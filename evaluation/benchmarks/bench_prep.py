@@ -16,10 +16,10 @@ from pathlib import Path
 
 from data_prep.config import DataConfig, PrepConfig
 from data_prep.prepare import prepare, read_conversations
-from data_prep.readers import SkipLog
 from data_prep.template import Encoded, encode_batch
 from train.core.base import load_tokenizer
 from train.core.config import compose, load
+from train.core.readers import SkipLog
 
 TARGET = 0.7  # prep must reach at least this fraction of the raw tokenizer's tokens/s
 

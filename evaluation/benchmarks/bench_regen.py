@@ -34,11 +34,11 @@ import torch  # noqa: E402
 
 from data_prep.config import PrepConfig, RegenConfig  # noqa: E402
 from data_prep.prepare import read_conversations  # noqa: E402
-from data_prep.readers import SkipLog  # noqa: E402
 from data_prep.regenerate import generate_replies, plan_batches, turn_prompt  # noqa: E402
-from evaluation.decode import eos_ids  # noqa: E402
 from train.core.base import load_base  # noqa: E402
 from train.core.config import compose, load  # noqa: E402
+from train.core.readers import SkipLog  # noqa: E402
+from train.decoding.sampling import eos_ids  # noqa: E402
 
 OLD_BATCH_SIZE = 8  # regen.batch_size before length batching
 

@@ -70,12 +70,13 @@ def sync(device: str) -> None:
 def verify_section(
     shape: dict, sizes: list[int], context: int, reps: int, device: str, backends: list[str]
 ) -> dict:
-    from evaluation.backend import use_gqa_attention
-    from evaluation.decode import Decoder
-    from evaluation.tree import Tree, chain
-    from evaluation.verify import tree_bias
+    from transformers import StaticCache
+
     from train.core.base import BaseConfig, load_base
     from train.core.config import from_group
+    from train.decoding.backend import compile_body, forward, use_gqa_attention
+    from train.decoding.cache import new_cache
+    from train.decoding.tree import Tree, chain, tree_bias
 
     cfg = from_group(BaseConfig, "base", "tiny_random", dtype="bfloat16")
     cfg = BaseConfig(**{**cfg.model_dump(), "tiny": {**cfg.tiny.model_dump(), **shape}})
@@ -85,32 +86,49 @@ def verify_section(
     params = sum(p.numel() for p in model.parameters()) / 1e9
     built = time.perf_counter() - t0
     print(f"model: {params:.2f}B parameters, bf16, built in {built:.0f} s", flush=True)
-    vocab = model.config.vocab_size
+    vocab, dtype = model.config.vocab_size, torch.bfloat16
     results: dict[str, dict[int, float]] = {}
     for backend in backends:
-        dec = Decoder(model, set(), kv_cache="static", compile=backend != "eager")
-        if backend == "compiled":  # inductor without CUDA graphs
-            dec.compiled = torch.compile(model.model, dynamic=False)
+        body = None
+        if backend == "cuda graphs":  # the decoder's eval.compile on CUDA
+            body = compile_body(model)
+        elif backend == "compiled":  # inductor without CUDA graphs
+            body = torch.compile(model.model, dynamic=False)
         g = torch.Generator().manual_seed(0)
-        prefix = torch.randint(0, vocab, (context,), generator=g).to(device)
-        cache, _ = dec._caches(context, max(sizes))
-        dec._forward(prefix, torch.arange(context, device=device), cache)
+        prefix = torch.randint(0, vocab, (1, context), generator=g).to(device)
+        cap = context + max(sizes)
+        if body is None:
+            cache = new_cache(model, cap)
+        else:  # compiled graphs need a cache whose buffers keep their addresses
+            cache = StaticCache(config=model.config, max_cache_len=cap)
+        forward(model, prefix, torch.arange(context, device=device)[None], cache)
         costs = {}
-        t_backend = time.perf_counter()
+        t_backend, compiling = time.perf_counter(), 0.0
         for n in sizes:
-            x = torch.randint(0, vocab, (n,), generator=g).to(device)
-            bias = tree_bias(Tree.from_paths(chain(n - 1)), dec.dtype, device) if n > 1 else None
-            pos = context + torch.arange(n, device=device)
+            x = torch.randint(0, vocab, (1, n), generator=g).to(device)
+            pos = (context + torch.arange(n, device=device))[None]
+            if body is None:
+                mask = torch.zeros(1, 1, n, context + n, dtype=dtype, device=device)
+            else:  # static shapes: the whole buffer, the unused slots masked out
+                mask = torch.full((1, 1, n, cap), torch.finfo(dtype).min, dtype=dtype,
+                                  device=device)  # fmt: skip
+                mask[..., :context] = 0
+            bias = tree_bias(Tree.from_paths(chain(n - 1)), dtype, device)
+            mask[0, 0, :, context : context + n] = bias
 
-            def once(x=x, bias=bias, pos=pos, n=n, dec=dec, cache=cache) -> None:
-                dec._forward(x, pos, cache, bias)
-                if dec.compiled is None:
+            def once(x=x, pos=pos, n=n, mask=mask, cache=cache, body=body, model=model):
+                forward(model, x, pos, cache, mask, 0, body)
+                if body is None:
                     cache.crop(-n)
                 else:
                     for layer in cache.layers:
                         layer.cumulative_length.fill_(context)
 
-            for _ in range(3):  # compile / capture, then warm
+            tc = time.perf_counter()
+            once()  # compiles its graph, if any
+            sync(device)
+            compiling += time.perf_counter() - tc
+            for _ in range(2):  # warm
                 once()
             sync(device)
             times = []
@@ -122,7 +140,7 @@ def verify_section(
             costs[n] = statistics.median(times)
         results[backend] = costs
         print(f"{backend}: {len(sizes)} sizes in {time.perf_counter() - t_backend:.0f} s "
-              f"(compiling {dec.compile_s:.0f} s)", flush=True)  # fmt: skip
+              f"(first calls, compiling included, {compiling:.0f} s)", flush=True)  # fmt: skip
     print(f"\none bf16 forward of n tokens on a {context}-token cache / a one-token step (ms)")
     print(f"{'n':>4} " + " ".join(f"{b:>20}" for b in results))
     for n in sizes:
