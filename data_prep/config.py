@@ -11,9 +11,14 @@ from pydantic import model_validator
 from data_prep.normalize import ROLES
 from train.core.base import BaseConfig
 from train.core.config import ConfigModel, Fraction, Positive, check, fail
+from train.core.errors import UserError
 
 _ROLE_LIST = ", ".join(ROLES)
 Format = Literal["auto", "json", "jsonl", "hf_disk"]
+
+
+class RegenError(UserError, RuntimeError):
+    """Regeneration cannot run with this base model or server; the message says why."""
 
 
 class SourceConfig(ConfigModel):

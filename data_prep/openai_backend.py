@@ -22,7 +22,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from data_prep.config import RegenConfig
+from data_prep.config import RegenConfig, RegenError
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,6 @@ class EndpointDown(RuntimeError):
 
 
 def _headers(cfg: RegenConfig) -> dict[str, str]:
-    from data_prep.regenerate import RegenError
-
     if not cfg.api_key_env:
         return {}
     key = os.environ.get(cfg.api_key_env)
@@ -97,8 +95,6 @@ def _request(client, cfg: RegenConfig, messages: list[dict]) -> tuple[str | None
 def chat_replies(histories: list[list[dict]], cfg: RegenConfig) -> list[tuple[str | None, str]]:
     """Every history's reply (text, "") or (None, reason), in order."""
     import httpx
-
-    from data_prep.regenerate import RegenError
 
     if not histories:
         return []

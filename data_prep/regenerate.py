@@ -30,19 +30,15 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from data_prep.config import RegenConfig
+from data_prep.config import RegenConfig, RegenError
+from data_prep.openai_backend import chat_replies
 from train.core.atomic import write_json, write_text
-from train.core.errors import UserError
 from train.decoding.sampling import eos_ids
 from train.decoding.slab import generate_left_padded
 
 log = logging.getLogger(__name__)
 
 OnBatch = Callable[[int, int, float], None]  # (rows, generated tokens, seconds) per batch
-
-
-class RegenError(UserError, RuntimeError):
-    """Regeneration cannot run with this base model; the message says why."""
 
 
 def plan_batches(
@@ -166,8 +162,6 @@ def _replies(base, group: list[dict], prompts, step: int, cfg: RegenConfig, prog
     if not prompts:
         return []
     if cfg.backend == "openai":
-        from data_prep.openai_backend import chat_replies
-
         t0 = time.perf_counter()
         out = chat_replies([c["msgs"][: c["turns"][step]] for c in group], cfg)
         tokens = sum(

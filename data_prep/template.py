@@ -130,13 +130,7 @@ def _skeleton(tokenizer, roles: tuple[str, ...], loss_roles: tuple[str, ...]):
     return _SKELETONS[key]
 
 
-def _fast_spans(tokenizer, messages, loss_roles):
-    """loss_spans() from a cached skeleton plus one render; None when it does not apply."""
-    r = _fast_turn_spans(tokenizer, messages, loss_roles)
-    return None if r is None else (r[0], [(a, b) for _, a, b in r[1]], r[2])
-
-
-def _fast_turn_spans(tokenizer, messages, loss_roles):
+def fast_turn_spans(tokenizer, messages, loss_roles):
     """_turn_spans() from a cached skeleton plus one render; None when it does not apply.
 
     Chat templates are usually content-independent: the real text is the skeleton with each
@@ -178,7 +172,7 @@ def _fast_turn_spans(tokenizer, messages, loss_roles):
     return text, spans, [shift(x) for x in sk_starts]
 
 
-def _mask_from_encoding(text: str, enc, spans: list[tuple[int, int]]) -> list[int] | None:
+def mask_from_encoding(text: str, enc, spans: list[tuple[int, int]]) -> list[int] | None:
     """mask_from_offsets() using the fast tokenizer's char->token index: slices, not a loop."""
     offsets = enc.offsets
     n = len(offsets)
@@ -197,7 +191,6 @@ def _mask_from_encoding(text: str, enc, spans: list[tuple[int, int]]) -> list[in
     return mask
 
 
-MASK_METHODS = ("generation", "spans")
 REASONING_MODES = ("train", "mask", "drop")
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _READS_REASONING = re.compile(r"\b(reasoning_content|thinking)\b")
@@ -327,7 +320,7 @@ def encode_batch(
             if method == "generation":
                 text, spans, starts = _generation_spans(tokenizer, tmsgs)
             else:
-                text, spans, starts = _fast_turn_spans(tokenizer, tmsgs, loss_roles) or _turn_spans(
+                text, spans, starts = fast_turn_spans(tokenizer, tmsgs, loss_roles) or _turn_spans(
                     tokenizer, tmsgs, loss_roles
                 )
             spans = select_spans(text, msgs, spans, reasoning, last_turn_only)
@@ -353,7 +346,7 @@ def encode_batch(
         text, spans, user_starts = r
         e = next(encoded)
         fast = not isinstance(e, _Slow)  # a tokenizers Encoding maps chars to tokens itself
-        mask = _mask_from_encoding(text, e, spans) if fast else None
+        mask = mask_from_encoding(text, e, spans) if fast else None
         offsets = None
         if mask is None:
             offsets = e.offsets

@@ -126,7 +126,7 @@ def build_inputs(p: Problem, seed: int = 0) -> Inputs:
 
 def naive_total(x: Inputs, p: Problem) -> torch.Tensor:
     """(a) the reference: all K heads' logits as one [K, N, V] tensor, autograd backward."""
-    from train.losses import naive_head_losses
+    from evaluation.benchmarks.naive_losses import naive_head_losses
 
     return naive_head_losses(
         x.states,

@@ -158,7 +158,7 @@ def test_chunk_split_truncate_drop(tiny_tokenizer):
 @pytest.mark.parametrize("which", ["tiny", "smol"])
 def test_fast_path_equals_exact_path(which, template, request):
     """The cached-skeleton spans and slice-built masks agree with the per-turn reference."""
-    from data_prep.template import _fast_spans, _mask_from_encoding, mask_from_offsets
+    from data_prep.template import mask_from_encoding, mask_from_offsets
 
     tok = with_template(request.getfixturevalue(f"{which}_tokenizer"), template)
     convs = [
@@ -170,20 +170,20 @@ def test_fast_path_equals_exact_path(which, template, request):
     ]
     for msgs in convs:
         exact = loss_spans(tok, msgs, ("assistant",))
-        fast = _fast_spans(tok, msgs, ("assistant",))
+        fast = fast_spans(tok, msgs, ("assistant",))
         if fast is None:  # only templates that rewrite content may fall back
             assert template == "llama3" and msgs is convs[-1]
             continue
         assert fast == exact
         text, spans, _ = exact
         enc = tok.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0]
-        assert _mask_from_encoding(text, enc, spans) == mask_from_offsets(text, enc.offsets, spans)
+        assert mask_from_encoding(text, enc, spans) == mask_from_offsets(text, enc.offsets, spans)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(text, text), min_size=1, max_size=4), st.booleans())
 def test_fast_path_property(tiny_tokenizer, pairs, system):
-    from data_prep.template import _fast_spans, _mask_from_encoding, mask_from_offsets
+    from data_prep.template import mask_from_encoding, mask_from_offsets
 
     msgs = [{"role": "system", "content": "sys"}] if system else []
     msgs += [
@@ -192,7 +192,15 @@ def test_fast_path_property(tiny_tokenizer, pairs, system):
         for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})
     ]
     exact = loss_spans(tiny_tokenizer, msgs, ("assistant",))
-    assert _fast_spans(tiny_tokenizer, msgs, ("assistant",)) == exact
+    assert fast_spans(tiny_tokenizer, msgs, ("assistant",)) == exact
     text, spans, _ = exact
     enc = tiny_tokenizer.backend_tokenizer.encode_batch([text], add_special_tokens=False)[0]
-    assert _mask_from_encoding(text, enc, spans) == mask_from_offsets(text, enc.offsets, spans)
+    assert mask_from_encoding(text, enc, spans) == mask_from_offsets(text, enc.offsets, spans)
+
+
+def fast_spans(tokenizer, messages, loss_roles):
+    """loss_spans()'s shape from the cached-skeleton path; None where it does not apply."""
+    from data_prep.template import fast_turn_spans
+
+    r = fast_turn_spans(tokenizer, messages, loss_roles)
+    return None if r is None else (r[0], [(a, b) for _, a, b in r[1]], r[2])

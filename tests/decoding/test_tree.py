@@ -52,8 +52,11 @@ def test_presets_and_generators():
     assert len(branching([3, 2, 2])) == 3 + 6 + 12
     assert chain(3) == [[0], [0, 0], [0, 0, 0]]
     for name, paths in PRESETS.items():
-        Tree.from_paths(paths)  # every preset is a valid tree
-        assert name
+        tree = Tree.from_paths(paths)  # every preset is a valid tree, in its nodes' order
+        assert tree.to_json() == sorted(paths, key=lambda p: (len(p), p)), name
+        size = name.rsplit("_", 1)[-1]
+        if size.isdigit():  # sparse_15, chain_4, mc_sim_7b_63: that many draft nodes
+            assert tree.num_nodes - 1 == int(size), name
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.losses import HeadInput, fused_head_loss, fused_heads_loss, naive_head_losses
+from evaluation.benchmarks.naive_losses import naive_head_losses
+from train.losses import HeadInput, fused_head_loss, fused_heads_loss
 
 
 @pytest.mark.parametrize(("lm", "kl", "T"), [(1.0, 0.0, 1.0), (0.0, 1.0, 1.0), (0.3, 1.0, 2.0)])

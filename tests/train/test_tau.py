@@ -14,9 +14,9 @@ def test_val_tau_is_the_verifier_s_tau_and_the_best_heads_are_kept(
 ):
     """The logged figure is what decoding the same held-out prompts with the saved heads gives;
     heads_best holds the heads of the best measurement, heads/ the last ones."""
-    from train.decoding.generation import acceptance_figures
     from train.core.prompts import held_out_prompts, prepared_rows
     from train.decoding.decoder import Decoder
+    from train.decoding.generation import acceptance_figures
     from train.decoding.sampling import eos_ids
     from train.heads import load_heads
     from train.tau import tree_named

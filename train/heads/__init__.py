@@ -2,63 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-
 from train.heads.config import HeadConfig, LossConfig
 from train.heads.headset import HeadSet
-from train.heads.hydra import HydraHeads
-from train.heads.hydra_pp import HydraPPHeads
-from train.heads.medusa import MedusaHeads
-
-HEADS: dict[str, type[HeadSet]] = {
-    "medusa": MedusaHeads,
-    "hydra": HydraHeads,
-    "hydra_pp": HydraPPHeads,
-}
-
-# Base-config fields that shape the heads (Hydra++'s extra layer copies the attention shape).
-BASE_SHAPE_KEYS = (
-    "hidden_size",
-    "vocab_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "rms_norm_eps",
-    "rope_theta",
-    "num_hidden_layers",
-    "max_position_embeddings",
-    "initializer_range",
-    "rope_parameters",
-)
-
-
-def base_shape(config) -> dict:
-    """The fields of a transformers config that head construction reads."""
-    out = {k: getattr(config, k, None) for k in BASE_SHAPE_KEYS}
-    rp = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if out["rope_theta"] is None and isinstance(rp, dict):
-        out["rope_theta"] = rp.get("rope_theta")
-    out["rope_parameters"] = dict(rp) if isinstance(rp, dict) else None
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def build_heads(
-    cfg: HeadConfig,
-    shape: dict,
-    lm_head_weight: torch.Tensor,
-    draft_ids: torch.Tensor | None = None,
-) -> HeadSet:
-    """Instantiate the head set named by `cfg.name` for a base of the given shape."""
-    cls = HEADS[cfg.name]
-    return cls(
-        cfg, int(shape["hidden_size"]), int(shape["vocab_size"]), lm_head_weight, draft_ids, shape
-    )
-
-
-from train.heads.io import heads_meta, load_heads, save_heads  # noqa: E402 - uses build_heads
+from train.heads.io import heads_meta, load_heads, save_heads
+from train.heads.registry import BASE_SHAPE_KEYS, HEADS, base_shape, build_heads
 
 __all__ = [
+    "BASE_SHAPE_KEYS",
     "HEADS",
     "HeadConfig",
     "HeadSet",

@@ -23,6 +23,7 @@ from train.core.config import validate
 from train.core.errors import ConfigError
 from train.heads.config import HeadConfig
 from train.heads.headset import HeadSet
+from train.heads.registry import build_heads
 
 
 def heads_meta(
@@ -84,8 +85,6 @@ def build_from(
 ) -> HeadSet:
     """Heads of `cfg` holding exactly the weights `state` (names as in our checkpoints, read
     from `where`)."""
-    from train.heads import build_heads
-
     if cfg.name == "hydra_pp" and OLD_HYDRA_PP in state:
         raise HeadsMismatchError(
             "these Hydra++ heads were trained by a hydra-heads version whose extra layer had no "
