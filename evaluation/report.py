@@ -401,7 +401,8 @@ def _categories(runs: list[dict]) -> list[str]:
 
 
 # -- rendering --------------------------------------------------------------------------------
-def _fmt(v: Any, nd: int = 3) -> str:
+def fmt(v: Any, nd: int = 3) -> str:
+    """A value as the report's tables show it: "–" for none, floats to `nd` places."""
     if v is None:
         return "–"
     if isinstance(v, bool):
@@ -419,7 +420,7 @@ def _cfg_value(v: Any) -> str:
 
 def _slashed(series: list[list], i: int) -> str:
     """Entry i of each series, as "a / b / c" ("–" where a series is shorter)."""
-    return " / ".join(_fmt(x[i] if i < len(x) else None) for x in series)
+    return " / ".join(fmt(x[i] if i < len(x) else None) for x in series)
 
 
 def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -431,11 +432,11 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         [
             str(r["rank"]),
             r["name"],
-            *(_fmt(r[k]) for k in ("arch", "heads", "tau")),
-            _fmt(r["speedup"], 2) + ("x" if r["speedup"] is not None else ""),
-            *(_fmt(r[k]) for k in ("tau_est", "tau_gap", "tree_nodes", "top1_h1")),
-            _fmt(r["val_loss"], 2),
-            *(_fmt(r[k]) for k in ("steps", "lossless")),
+            *(fmt(r[k]) for k in ("arch", "heads", "tau")),
+            fmt(r["speedup"], 2) + ("x" if r["speedup"] is not None else ""),
+            *(fmt(r[k]) for k in ("tau_est", "tau_gap", "tree_nodes", "top1_h1")),
+            fmt(r["val_loss"], 2),
+            *(fmt(r[k]) for k in ("steps", "lossless")),
         ]
         for r in report["leaderboard"]
     ]
@@ -459,7 +460,7 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows = []
         for r in runs:
             by = r.get("eval", {}).get("by_category") or {}
-            cell = lambda f: f"{_fmt(f.get('tau'))} / {_fmt(f.get('speedup'), 2)}"  # noqa: E731
+            cell = lambda f: f"{fmt(f.get('tau'))} / {fmt(f.get('speedup'), 2)}"  # noqa: E731
             rows.append([r["name"]] + [cell(by[c]) if c in by else "–" for c in cats])
         out.append(("τ / speedup by prompt category", ["run", *cats], rows))
     rows = []
@@ -470,11 +471,11 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows.append(
             [
                 r["name"],
-                _fmt(ev.get("spec_tokens_per_s"), 1),
-                _fmt(ev.get("plain_tokens_per_s"), 1),
-                " / ".join(_fmt(ms.get(k), 1) for k in ("propose", "verify", "bookkeeping")),
-                _fmt(r.get("train", {}).get("fit_s"), 0),
-                _fmt(r.get("train", {}).get("world_size")),
+                fmt(ev.get("spec_tokens_per_s"), 1),
+                fmt(ev.get("plain_tokens_per_s"), 1),
+                " / ".join(fmt(ms.get(k), 1) for k in ("propose", "verify", "bookkeeping")),
+                fmt(r.get("train", {}).get("fit_s"), 0),
+                fmt(r.get("train", {}).get("world_size")),
                 ", ".join(f"{k}={v}" for k, v in hw.items()) or "–",
             ]
         )

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from evaluation.config import SORT_KEYS
+from launch.grid import parse_grid
 from train.config import TrainConfig
 from train.core.base import BaseConfig
 from train.core.config import ConfigModel, NonNegative, Positive, check, fail
@@ -188,8 +189,6 @@ class SweepConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _command_line_grids(self) -> SweepConfig:
-        from launch.sweep import parse_grid
-
         if self.sweep.search is not None and self.backend == "slurm":
             fail("backend", "slurm", "a search runs its trials one after another: backend=local")
         if self.grid is None and self.eval_grid is None:

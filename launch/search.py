@@ -20,23 +20,47 @@ scikit-learn) once enough trials are complete.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 from launch.config import SearchSpec, SweepConfig
-from launch.sweep import _fmt, _locked, _unique_slugs, _update_point, run_point, write_report
+from launch.grid import override_value, unique_slugs
+from launch.points import run_point, write_report
+from launch.sweep_state import add_point, read_state, update_point
 from train.core.atomic import write_json, write_text
-from train.core.errors import ConfigError
+from train.core.errors import ConfigError, UserError
 
 log = logging.getLogger(__name__)
+
+
+def check_study(path: Path) -> None:
+    """A study file cut short or overwritten fails here, naming it and the fix, instead of as
+    a database traceback from inside Optuna."""
+    if not path.is_file():
+        return
+    uri = f"{path.resolve().as_uri()}?mode=ro"  # read only: the check never writes
+    try:
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
+            problems = [row[0] for row in db.execute("PRAGMA quick_check")]
+    except sqlite3.DatabaseError as e:  # e.g. "file is not a database"
+        problems = [str(e)]
+    if problems != ["ok"]:
+        raise UserError(
+            f"the search's study {path} is corrupt ({'; '.join(problems[:3])}). Move it away "
+            "and run the search again with the same out= to start a new study: a trial that "
+            "draws the values of a finished training reuses it (its train_summary.json)"
+        )
 
 
 def _study(spec: SearchSpec, name: str, out: Path):
     import optuna
 
+    check_study(out / "study.db")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = (
         optuna.samplers.TPESampler(seed=spec.seed)
@@ -59,13 +83,13 @@ def suggest(trial, space) -> list[str]:
     for key, p in space.items():
         if p.choices is not None:
             # optuna stores choices as strings, numbers or None: lists travel as JSON
-            names = [_fmt(c) for c in p.choices]
+            names = [override_value(c) for c in p.choices]
             value = trial.suggest_categorical(key, names)
         elif p.integer:
             value = trial.suggest_int(key, int(p.low), int(p.high), log=p.log)
         else:
             value = float(f"{trial.suggest_float(key, p.low, p.high, log=p.log):.3g}")
-        overrides.append(f"{key}={value if isinstance(value, str) else _fmt(value)}")
+        overrides.append(f"{key}={value if isinstance(value, str) else override_value(value)}")
     return overrides
 
 
@@ -105,7 +129,7 @@ def objective(out: Path, point: dict, kind: str) -> float:
 
 
 def _point(overrides: list[str], trial: int) -> dict[str, Any]:
-    (tname,) = _unique_slugs([overrides])
+    (tname,) = unique_slugs([overrides])
     return {
         "name": tname,
         "train_point": tname,
@@ -115,17 +139,6 @@ def _point(overrides: list[str], trial: int) -> dict[str, Any]:
         "status": "pending",
         "trial": trial,
     }
-
-
-def _add_point(out: Path, point: dict) -> None:
-    with _locked(out / "sweep.json"):
-        state = json.loads((out / "sweep.json").read_text())
-        known = {p["name"]: p for p in state["points"]}
-        if point["name"] in known:  # the same values again: the trained point is reused
-            known[point["name"]].setdefault("trials", []).append(point["trial"])
-        else:
-            state["points"].append(point)
-        write_json(out / "sweep.json", state)
 
 
 def run_search(cfg: SweepConfig, out: Path, progress: bool = True) -> dict[str, Any]:
@@ -153,8 +166,8 @@ def run_search(cfg: SweepConfig, out: Path, progress: bool = True) -> dict[str, 
             while done < search.trials:
                 trial = study.ask()
                 point = _point(suggest(trial, search.space), trial.number)
-                _add_point(out, point)
-                state = json.loads((out / "sweep.json").read_text())
+                add_point(out, point)
+                state = read_state(out)
                 current = next(p for p in state["points"] if p["name"] == point["name"])
                 stage, msg = None, ""
                 if current["status"] != "done":
@@ -170,7 +183,7 @@ def run_search(cfg: SweepConfig, out: Path, progress: bool = True) -> dict[str, 
                         stage, msg = "objective", str(e)
                 if stage is not None:
                     failures += 1
-                    _update_point(out, current["name"], status="failed", stage=stage, error=msg)
+                    update_point(out, current["name"], status="failed", stage=stage, error=msg)
                     study.tell(trial, state=TrialState.FAIL)
                     bar.console.print(
                         f"[red]trial {trial.number} ({escape(current['name'])}): {stage} "
@@ -178,7 +191,7 @@ def run_search(cfg: SweepConfig, out: Path, progress: bool = True) -> dict[str, 
                     )
                 else:
                     study.tell(trial, value)
-                    _update_point(out, current["name"], objective=value)
+                    update_point(out, current["name"], objective=value)
                     bar.console.print(
                         f"trial {trial.number}: {search.objective} {value:.4f} "
                         f"({' '.join(point['train_overrides'])})"
@@ -189,7 +202,7 @@ def run_search(cfg: SweepConfig, out: Path, progress: bool = True) -> dict[str, 
                     refresh_report(out, spec, study)
                 if cfg.max_failures and failures >= cfg.max_failures:
                     break
-    return json.loads((out / "sweep.json").read_text())
+    return read_state(out)
 
 
 def study_summary(study, objective_name: str, top: int = 5) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The CLI from a real (non-editable) wheel install: conf/ ships as `hydra_heads_conf`, and
-`hydra-heads` composes and trains from a directory outside the checkout."""
+`hydra-heads` composes and trains from a directory outside the checkout. The wheel ships every
+package of the code except evaluation/benchmarks/ (scripts run by path from a checkout)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import pytest
 import yaml
 
 from tests.helpers import REPO
+
+CODE = ("train", "data_prep", "evaluation", "launch")
+NOT_SHIPPED = {"evaluation.benchmarks"}  # scripts: `python evaluation/benchmarks/bench_*.py`
 
 # Not part of the distribution: left out of the copy the wheel is built from, so that a stale
 # build/ or egg-info of the checkout can neither leak into the wheel nor be written by the test.
@@ -91,6 +95,24 @@ def venv(wheel: Path, tmp_path_factory) -> Path:
     return env
 
 
+def test_pyproject_lists_every_package_but_the_benchmarks():
+    """setuptools ships the packages pyproject.toml lists, no others: a new package that is
+    not listed would be missing from the wheel (and a listed one that is gone fails the build)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for pkg in CODE
+        for p in (REPO / pkg).rglob("__init__.py")
+    }
+    missing, gone = found - NOT_SHIPPED - listed, listed - {"hydra_heads_conf"} - found
+    assert not missing, f"add {sorted(missing)} to [tool.setuptools] packages"
+    assert not listed & NOT_SHIPPED, "benchmarks are scripts of the checkout, not shipped"
+    assert not gone, f"[tool.setuptools] packages lists {sorted(gone)}, which do not exist"
+
+
 def test_wheel_ships_the_config_tree_and_scripts(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     want = {
@@ -101,6 +123,8 @@ def test_wheel_ships_the_config_tree_and_scripts(wheel):
     want |= {p.relative_to(REPO).as_posix() for p in (REPO / "launch" / "slurm").glob("*.sh")}
     assert "hydra_heads_conf/train.yaml" in want
     assert not want - names, f"missing from {wheel.name}: {sorted(want - names)}"
+    assert not [n for n in names if n.startswith("evaluation/benchmarks/")]
+    assert "train/decoding/__init__.py" in names
 
 
 def test_packages_import_from_the_wheel_not_the_checkout(venv, tmp_path):

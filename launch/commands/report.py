@@ -13,7 +13,7 @@ def print_leaderboard(data: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from evaluation.report import _fmt
+    from evaluation.report import fmt
 
     t = Table(title=f"{data['title']} (by {data['sort_by']})")
     for col in ("#", "run", "arch", "tau", "speedup", "tau est.", "tree", "val loss"):
@@ -22,12 +22,12 @@ def print_leaderboard(data: dict[str, Any]) -> None:
         t.add_row(
             str(r["rank"]),
             r["name"],
-            _fmt(r["arch"]),
-            _fmt(r["tau"]),
-            _fmt(r["speedup"], 2),
-            _fmt(r["tau_est"]),
-            _fmt(r["tree_nodes"]),
-            _fmt(r["val_loss"], 2),
+            fmt(r["arch"]),
+            fmt(r["tau"]),
+            fmt(r["speedup"], 2),
+            fmt(r["tau_est"]),
+            fmt(r["tree_nodes"]),
+            fmt(r["val_loss"], 2),
         )
     Console().print(t)
 

@@ -136,3 +136,34 @@ def test_search_space_schema():
     with pytest.raises(ConfigError, match="either choices"):
         SearchParam(choices=["a"], low=1.0, high=2.0)
     assert SearchParam(low=1.0, high=4.0, integer=True).integer
+
+
+def test_a_corrupt_study_fails_naming_the_file_and_the_fix(tmp_path):
+    """study.db cut short or overwritten: a one-line error naming it and the fix, from the CLI,
+    before any trial runs (not a database traceback from inside Optuna)."""
+    import sqlite3
+    from contextlib import closing
+
+    from launch.search import check_study
+    from train.core.errors import UserError
+
+    out = tmp_path / "s"
+    out.mkdir()
+    db = out / "study.db"
+    db.write_bytes(b"not a database, only some text long enough to be read as a header")
+    r = run_here("sweep", *search_args(out, tmp_path / "no_data"))
+    assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-2000:]
+    assert f"the search's study {db} is corrupt" in r.stderr and "Traceback" not in r.stderr
+    assert "Move it away and run the search again with the same out=" in r.stderr
+    assert not (out / "points").exists()  # no trial ran
+    # a real SQLite file truncated mid-page; an intact one passes, and so does none at all
+    db.unlink()
+    with closing(sqlite3.connect(db)) as con, con:
+        con.execute("create table t (x text)")
+        con.executemany("insert into t values (?)", [("x" * 500,)] * 200)
+    check_study(db)
+    data = db.read_bytes()
+    db.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match="is corrupt"):
+        check_study(db)
+    check_study(out / "missing.db")

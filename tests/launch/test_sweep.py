@@ -93,7 +93,7 @@ def test_sweep_refuses_a_changed_grid_and_bad_keys(tiny_prepared, tmp_path):
     assert not out.exists()  # a dry run writes nothing, so a corrected grid is still welcome
     # a sweep that started (its sweep.json written) refuses another grid, naming what changed
     from launch.config import SweepConfig
-    from launch.sweep import load_state
+    from launch.sweep_state import load_state
     from train.core.atomic import write_json
     from train.core.config import compose
     from train.core.config import load as to_typed
@@ -164,7 +164,8 @@ def test_slurm_point_script_and_grid_values(tiny_prepared, tmp_path, monkeypatch
     import shlex
 
     from launch.config import SweepConfig, SweepSpec
-    from launch.sweep import plan_points, submit_points
+    from launch.sweep import submit_points
+    from launch.sweep_state import plan_points
     from train.core.config import compose
     from train.core.config import load as to_typed
 
@@ -218,3 +219,38 @@ def test_slurm_point_script_and_grid_values(tiny_prepared, tmp_path, monkeypatch
     job_cfg = to_typed(compose("sweep", [a for a in job[4:] if not a.startswith("out=")] +
                                [f"out={out}"]), SweepConfig)  # fmt: skip
     assert job_cfg.backend == "local" and job_cfg.train_prefix[0] == "srun"
+
+
+def test_a_corrupt_sweep_state_fails_naming_the_file_and_the_fix(tmp_path):
+    """sweep.json cut short (a full disk, an interrupted copy) or replaced: a one-line error
+    that names the file and what to do, from the CLI and from every reader of the state."""
+    from launch.config import SweepSpec
+    from launch.sweep_state import add_point, load_state, read_state, update_point
+    from train.core.atomic import write_json
+    from train.core.errors import UserError
+
+    out = tmp_path / "sweep"
+    args = [f"out={out}", "sweep.grid={head:[medusa,hydra]}", "dry_run=true"]
+    grid = {"head": ["medusa", "hydra"]}
+    spec = SweepSpec(name="t", grid=grid, eval_grid={}, train=[], eval=[], sort_by="tau")
+    out.mkdir()
+    write_json(out / "sweep.json", load_state(out, spec))
+    text = (out / "sweep.json").read_text()
+    (out / "sweep.json").write_text(text[: len(text) // 2])  # truncated mid-record
+    r = run_here("sweep", *args)
+    assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-2000:]
+    assert f"the sweep state {out / 'sweep.json'} is corrupt (not valid JSON" in r.stderr
+    assert "Delete it and run the sweep again with the same out=" in r.stderr
+    assert "Traceback" not in r.stderr
+    for read in (
+        lambda: read_state(out),
+        lambda: load_state(out, spec),
+        lambda: update_point(out, "head-medusa", status="done"),
+        lambda: add_point(out, {"name": "x", "trial": 0}),
+    ):
+        with pytest.raises(UserError, match="is corrupt .*Delete it"):
+            read()
+    for content in (b"[]", b'{"points": 3}', b"\xff\xfe{"):
+        (out / "sweep.json").write_bytes(content)
+        with pytest.raises(UserError, match=r"sweep\.json is corrupt \((not valid JSON|no list)"):
+            read_state(out)
