@@ -226,13 +226,13 @@ def base_arch(base) -> dict[str, Any]:
         return {k: vocab if k == "vocab_size" else getattr(base.tiny, k) for k in ARCH_KEYS}
     from transformers import AutoConfig
 
-    from train.core.base import BaseLoadError, _ensure_gguf_cache, _resolve_pretrained, resolve_gguf
+    from train.core.base import BaseLoadError, ensure_gguf_cache, resolve_gguf, resolve_pretrained
 
     if base.source in ("gguf_package", "gguf_file"):
-        config = AutoConfig.from_pretrained(str(_ensure_gguf_cache(resolve_gguf(base))))
+        config = AutoConfig.from_pretrained(str(ensure_gguf_cache(resolve_gguf(base))))
     else:
         try:
-            config = AutoConfig.from_pretrained(_resolve_pretrained(base))
+            config = AutoConfig.from_pretrained(resolve_pretrained(base))
         except (OSError, BaseLoadError) as e:
             raise BaseLoadError(
                 f"cannot read the architecture of base {base.name}: {e}. Set base.arch "

@@ -70,7 +70,7 @@ def test_batch_times_add_up_to_the_batch(tiny_base):
     assert 0.5 * wall < total <= wall
     for g in gens:
         parts = g.prefill_s + g.propose_s + g.verify_s + g.bookkeeping_s
-        assert 0 < g.prefill_s and 0 < g.verify_s and parts <= g.total_s * (1 + 1e-9)
+        assert g.prefill_s > 0 and g.verify_s > 0 and parts <= g.total_s * (1 + 1e-9)
         assert g.total_s / total == pytest.approx(len(g.tokens) / sum(len(x.tokens) for x in gens))
 
 

@@ -171,7 +171,7 @@ def _load_gguf_uncached(gguf: Path, dtype: torch.dtype | None):
     return model
 
 
-def _ensure_gguf_cache(gguf: Path) -> Path:
+def ensure_gguf_cache(gguf: Path) -> Path:
     """Convert `gguf` once to a safetensors model + tokenizer dir; return that dir."""
     from transformers import AutoTokenizer
 
@@ -196,7 +196,7 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
 
 
-def _resolve_pretrained(cfg: BaseConfig) -> str:
+def resolve_pretrained(cfg: BaseConfig) -> str:
     """A local dir for `cfg.path`: the dir itself, or the hub snapshot in the local HF cache."""
     p = Path(cfg.path).expanduser()
     if p.exists():
@@ -261,10 +261,10 @@ def load_tokenizer(cfg: BaseConfig):
     if cfg.source in ("gguf_package", "gguf_file"):
         gguf = resolve_gguf(cfg)
         if cfg.cache:
-            return AutoTokenizer.from_pretrained(str(_ensure_gguf_cache(gguf)))
+            return AutoTokenizer.from_pretrained(str(ensure_gguf_cache(gguf)))
         return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return AutoTokenizer.from_pretrained(
-        _resolve_pretrained(cfg), trust_remote_code=cfg.trust_remote_code
+        resolve_pretrained(cfg), trust_remote_code=cfg.trust_remote_code
     )
 
 
@@ -348,9 +348,9 @@ def _fingerprint(name: str, config: Any, state: dict[str, torch.Tensor]) -> dict
 def model_dir(cfg: BaseConfig) -> str:
     """A local safetensors model directory for `cfg` (GGUF bases: the dequantized cache copy)."""
     if cfg.source == "pretrained":
-        return _resolve_pretrained(cfg)
+        return resolve_pretrained(cfg)
     if cfg.source in ("gguf_package", "gguf_file"):
-        return str(_ensure_gguf_cache(resolve_gguf(cfg)))
+        return str(ensure_gguf_cache(resolve_gguf(cfg)))
     raise BaseLoadError(f"base.source={cfg.source} has no model directory")
 
 
@@ -482,13 +482,13 @@ def load_base(cfg: BaseConfig, device: str | torch.device = "cpu") -> FrozenBase
         gguf = resolve_gguf(cfg)
         if cfg.cache:
             model = AutoModelForCausalLM.from_pretrained(
-                str(_ensure_gguf_cache(gguf)), dtype=dtype or torch.float32
+                str(ensure_gguf_cache(gguf)), dtype=dtype or torch.float32
             )
         else:
             model = _load_gguf_uncached(gguf, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            _resolve_pretrained(cfg), dtype=dtype or "auto", trust_remote_code=cfg.trust_remote_code
+            resolve_pretrained(cfg), dtype=dtype or "auto", trust_remote_code=cfg.trust_remote_code
         )
     _check_vocab(getattr(model.config, "vocab_size", 0), tokenizer)
     return FrozenBase(model.to(device), tokenizer, cfg)

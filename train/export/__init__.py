@@ -20,7 +20,7 @@ from train.core.checkpoint import check_base
 from train.core.config import fail
 from train.core.errors import NotFound
 from train.export import hf, hydra, medusa, model_card
-from train.export.common import FormatError, _check_out, _write_dir
+from train.export.common import FormatError, check_out, write_dir
 from train.heads import base_shape, build_heads, heads_meta, load_heads, save_heads
 
 Format = Literal["hf", "hydra", "medusa"]
@@ -47,7 +47,7 @@ def export_heads(
     """Write the heads checkpoint `heads_dir` to `out` in format `fmt`; returns a summary."""
     heads_dir, out = Path(heads_dir), Path(out)
     heads, meta = load_heads(heads_dir)  # no base needed: export reads the heads only
-    _check_out(out, heads_dir, overwrite)
+    check_out(out, heads_dir, overwrite)
     base_id = base_model or recorded_base_id(meta)
     notes: list[str] = []
     if fmt == "hf":
@@ -59,7 +59,7 @@ def export_heads(
         files = medusa.files(heads, base_id, notes)
     else:
         fail("format", fmt, "one of hf, hydra, medusa")
-    written = _write_dir(out, files)
+    written = write_dir(out, files)
     return {"format": fmt, "out": str(out), "arch": heads.arch, "files": written, "notes": notes}
 
 
@@ -75,7 +75,7 @@ def import_heads(
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise NotFound(f"{src} is not a directory (src= must be a {fmt} heads dir)")
-    _check_out(out, src, overwrite)
+    check_out(out, src, overwrite)
     readers = {"hf": hf.read, "hydra": hydra.read, "medusa": medusa.read}
     if fmt not in readers:
         fail("format", fmt, "one of hf, hydra, medusa")

@@ -22,7 +22,7 @@ class FormatError(ConfigError):
 
 
 @dataclass
-class _Parsed:
+class Parsed:
     """A source checkpoint in our terms, before it is checked against a base."""
 
     head: HeadConfig
@@ -36,12 +36,12 @@ class _Parsed:
 
 
 @dataclass
-class _SameAs:
+class SameAs:
     name: str
 
 
 # -- writing -------------------------------------------------------------------------------
-def _check_out(out: Path, source: Path, overwrite: bool) -> None:
+def check_out(out: Path, source: Path, overwrite: bool) -> None:
     o, s = out.resolve(), source.resolve()
     if o == s or o in s.parents:
         fail("out", str(out), f"it would replace the input {source}; choose another directory")
@@ -49,8 +49,8 @@ def _check_out(out: Path, source: Path, overwrite: bool) -> None:
         raise AlreadyExists(f"{out} already exists: pass overwrite=true to replace it")
 
 
-def _write_dir(out: Path, files: dict[str, Any]) -> list[str]:
-    """Write `files` (name -> text | tensor dict | `Path` | `_SameAs`) into `out`, atomically."""
+def write_dir(out: Path, files: dict[str, Any]) -> list[str]:
+    """Write `files` (name -> text | tensor dict | `Path` | `SameAs`) into `out`, atomically."""
     from safetensors.torch import save_file
 
     with staged_dir(out) as tmp:
@@ -58,7 +58,7 @@ def _write_dir(out: Path, files: dict[str, Any]) -> list[str]:
             path = tmp / name
             if isinstance(content, str):
                 path.write_text(content)
-            elif isinstance(content, _SameAs):
+            elif isinstance(content, SameAs):
                 try:  # a hard link: the same bytes under a second name, at no extra space
                     os.link(tmp / content.name, path)
                 except OSError:
@@ -66,31 +66,31 @@ def _write_dir(out: Path, files: dict[str, Any]) -> list[str]:
             elif isinstance(content, Path):
                 shutil.copyfile(content, path)
             elif name.endswith(".safetensors"):
-                save_file(_plain(content), str(path), metadata={"format": "pt"})
+                save_file(plain_state(content), str(path), metadata={"format": "pt"})
             elif name.endswith(".pt"):
-                torch.save(_plain(content), path)
+                torch.save(plain_state(content), path)
             else:
                 raise ValueError(f"no writer for {name}")
     return sorted(files)
 
 
-def _plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def plain_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     # safetensors refuses tensors that share storage; every entry gets its own.
     return {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
 
 
-def _head(arch: str, **settings: Any) -> HeadConfig:
+def head_config(arch: str, **settings: Any) -> HeadConfig:
     return from_group(HeadConfig, "head", arch, **settings)
 
 
-def _zero_bias(state: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+def zero_bias(state: dict[str, torch.Tensor], key: str) -> torch.Tensor:
     # the bias `key` of a layer that has none, sized by the weight beside it in `state`
     weight = state[key.removesuffix("bias") + "weight"]
     return weight.new_zeros(weight.shape[0])
 
 
 # -- reading -------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     if not path.is_file():
         raise NotFound(f"{path} not found")
     try:
@@ -102,7 +102,7 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _load_state(path: Path) -> dict[str, torch.Tensor]:
+def load_state(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a `.safetensors` file, or of a `torch.save`d plain state dict."""
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
@@ -124,18 +124,18 @@ def _load_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _int(cfg: dict, key: str, default: int | None, where: Path) -> int:
+def as_int(cfg: dict, key: str, default: int | None, where: Path) -> int:
     value = cfg.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
         raise FormatError(f"{where}: {key} = {value!r}, expected an integer")
     return value
 
 
-class _Take:
+class Take:
     """Pops tensors from a weights file; names what is missing and what is left over."""
 
     def __init__(self, path: Path, where: Path | None = None, strip: str = ""):  # where: in errors
-        self.state = {k.removeprefix(strip): v for k, v in _load_state(path).items()}
+        self.state = {k.removeprefix(strip): v for k, v in load_state(path).items()}
         self.where = where or path
 
     def __call__(self, key: str, optional: bool = False) -> torch.Tensor | None:

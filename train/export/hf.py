@@ -22,7 +22,7 @@ from train.core.checkpoint import (
     migrate,
 )
 from train.core.errors import NotFound
-from train.export.common import FormatError, _load_state, _Parsed, _read_json, _SameAs
+from train.export.common import FormatError, Parsed, SameAs, load_state, read_json
 from train.export.model_card import model_card
 from train.heads import HeadSet
 from train.heads.io import recorded_head
@@ -45,17 +45,17 @@ def files(
     }
     return {
         "model.safetensors": heads_dir / HEADS_FILE,
-        HEADS_FILE: _SameAs("model.safetensors"),
+        HEADS_FILE: SameAs("model.safetensors"),
         "config.json": json.dumps(config, indent=2, default=str) + "\n",
         CONFIG_FILE: json.dumps(meta, indent=2, default=str) + "\n",
         "README.md": model_card(heads, meta, base_id, res),
     }
 
 
-def read(src: Path) -> _Parsed:
+def read(src: Path) -> Parsed:
     """The hf export in directory `src`, in our terms, with the base and meta it records."""
     where = src / "config.json"
-    config = _read_json(where)
+    config = read_json(where)
     meta = {k: v for k, v in config.items() if k not in HF_KEYS}
     fmt = meta.get("format")
     if not (isinstance(fmt, str) and fmt.startswith(f"{FORMAT_NAME}/")):
@@ -69,11 +69,11 @@ def read(src: Path) -> _Parsed:
     weights = src / "model.safetensors"
     if not weights.is_file():
         raise NotFound(f"{weights} not found")
-    return _Parsed(
+    return Parsed(
         head=recorded_head(meta["head"], where),
         hidden_size=int(meta["hidden_size"]),
         vocab_size=int(meta["vocab_size"]),
-        state=_load_state(weights),
+        state=load_state(weights),
         base_id=str(config.get("base_model_name_or_path") or meta.get("base", {}).get("name")),
         base_shape=meta.get("base_shape"),
         recorded_base=(meta.get("base") or {}).get("config"),

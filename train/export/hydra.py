@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from train.export.common import FormatError, _head, _int, _Parsed, _read_json, _Take, _zero_bias
+from train.export.common import FormatError, Parsed, Take, as_int, head_config, read_json, zero_bias
 from train.heads import HeadSet
 
 HYDRA_WEIGHTS = "hydra_lm_head.pt"
@@ -110,7 +110,7 @@ def files(heads: HeadSet, base_id: str) -> dict[str, Any]:
                 )
     # heads without biases (head.bias=false) are written with zero ones where theirs have them
     names = _names(k_heads, n_layers, grounded, prefix)
-    state = {t: sd[o] if o in sd else _zero_bias(sd, o) for o, t in names}
+    state = {t: sd[o] if o in sd else zero_bias(sd, o) for o, t in names}
     config = {
         "hydra_num_heads": k_heads,
         "hydra_num_layers": n_layers,
@@ -122,10 +122,10 @@ def files(heads: HeadSet, base_id: str) -> dict[str, Any]:
     return {"config.json": json.dumps(config, indent=2) + "\n", HYDRA_WEIGHTS: state}
 
 
-def read(src: Path) -> _Parsed:
+def read(src: Path) -> Parsed:
     """The zankner/Hydra checkpoint in directory `src`, in our terms."""
     cfg_path = src / "config.json"
-    cfg = _read_json(cfg_path)
+    cfg = read_json(cfg_path)
     # Defaults are those of zankner/Hydra's HydraConfig, which its loader applies too.
     arch = cfg.get("hydra_head_arch", "mlp")
     grounded = bool(cfg.get("grounded_heads", False))
@@ -136,10 +136,10 @@ def read(src: Path) -> _Parsed:
             "(medusa, hydra) and grounded prefix-mlp (hydra_pp) map exactly onto ours"
         )
     prefix = arch == "prefix-mlp"
-    k_heads = _int(cfg, "hydra_num_heads", 4, cfg_path)
-    n_layers = _int(cfg, "hydra_num_layers", 1, cfg_path)
-    offset = _int(cfg, "hidden_state_offset", 0, cfg_path)
-    take = _Take(src / HYDRA_WEIGHTS)
+    k_heads = as_int(cfg, "hydra_num_heads", 4, cfg_path)
+    n_layers = as_int(cfg, "hydra_num_layers", 1, cfg_path)
+    offset = as_int(cfg, "hidden_state_offset", 0, cfg_path)
+    take = Take(src / HYDRA_WEIGHTS)
     ours: dict[str, torch.Tensor] = {}
     biases: dict[str, torch.Tensor | None] = {}
     for o, t in _names(k_heads, n_layers, grounded, prefix):
@@ -153,10 +153,10 @@ def read(src: Path) -> _Parsed:
     has_bias = any(b is not None and torch.count_nonzero(b) for b in biases.values())
     if has_bias:
         for key, b in biases.items():
-            ours[key] = b if b is not None else _zero_bias(ours, key)
+            ours[key] = b if b is not None else zero_bias(ours, key)
     vocab, hidden = ours["lm_heads.0.weight"].shape
     settings = {"num_heads": k_heads, "num_layers": n_layers, "hidden_state_offset": offset}
     name = "hydra_pp" if prefix else "hydra" if grounded else "medusa"
     # their blocks after the first are one module: ours tied too, so training keeps them so
-    head = _head(name, **settings, bias=has_bias, tie_blocks=True, init="official")
-    return _Parsed(head, hidden, vocab, ours, str(cfg.get("base_model_name_or_path", "?")))
+    head = head_config(name, **settings, bias=has_bias, tie_blocks=True, init="official")
+    return Parsed(head, hidden, vocab, ours, str(cfg.get("base_model_name_or_path", "?")))

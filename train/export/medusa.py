@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from train.core.errors import NotFound
-from train.export.common import FormatError, _head, _int, _Parsed, _read_json, _Take, _zero_bias
+from train.export.common import FormatError, Parsed, Take, as_int, head_config, read_json, zero_bias
 from train.heads import HeadSet
 
 MEDUSA_TRT_WEIGHTS = "medusa_lm_head.safetensors"
@@ -100,9 +100,9 @@ def files(heads: HeadSet, base_id: str, notes: list[str]) -> dict[str, Any]:
     return out
 
 
-def read(src: Path) -> _Parsed:
+def read(src: Path) -> Parsed:
     """The Medusa heads in directory `src` (vLLM's layout, else FasterDecoding's), in our terms."""
-    cfg = _read_json(src / "config.json")
+    cfg = read_json(src / "config.json")
     base_id = str(cfg.get("base_model_name_or_path", "?"))
     if (src / "model.safetensors").is_file():
         return _read_vllm(src, cfg, base_id)
@@ -115,14 +115,14 @@ def read(src: Path) -> _Parsed:
     )
 
 
-def _read_vllm(src: Path, cfg: dict, base_id: str) -> _Parsed:
+def _read_vllm(src: Path, cfg: dict, base_id: str) -> Parsed:
     where = src / "config.json"
     # vLLM's MedusaConfig takes any "num*heads" / "num*layers" key as num_heads / num_layers.
-    k_heads = _int(cfg, "num_heads", cfg.get("medusa_num_heads"), where)
-    n_layers = _int(cfg, "num_hidden_layers", cfg.get("medusa_num_layers", 1), where)
-    vocab = _int(cfg, "vocab_size", None, where)
-    truncated = _int(cfg, "truncated_vocab_size", vocab, where)
-    take = _Take(src / "model.safetensors", src, strip="medusa_heads.")
+    k_heads = as_int(cfg, "num_heads", cfg.get("medusa_num_heads"), where)
+    n_layers = as_int(cfg, "num_hidden_layers", cfg.get("medusa_num_layers", 1), where)
+    vocab = as_int(cfg, "vocab_size", None, where)
+    truncated = as_int(cfg, "truncated_vocab_size", vocab, where)
+    take = Take(src / "model.safetensors", src, strip="medusa_heads.")
     token_map = take("token_map", optional=True)
     if truncated < vocab and token_map is None:
         raise FormatError(
@@ -145,23 +145,25 @@ def _read_vllm(src: Path, cfg: dict, base_id: str) -> _Parsed:
             ours[o] = lm.clone() if shared else lm
         else:  # a block; its bias is absent with medusa_fc_bias=false
             t = take(v, optional=o.endswith(".bias"))
-            ours[o] = _zero_bias(ours, o) if t is None else t
+            ours[o] = zero_bias(ours, o) if t is None else t
     take.done()
     if draft is not None:
         ours["draft.to_full"] = draft
     hidden = ours["mlps.0.0.linear.weight"].shape[1]
     draft_size = None if draft is None else int(draft.numel())
-    head = _head("medusa", num_heads=k_heads, num_layers=n_layers, draft_vocab_size=draft_size)
-    return _Parsed(head, hidden, vocab, ours, base_id)
+    head = head_config(
+        "medusa", num_heads=k_heads, num_layers=n_layers, draft_vocab_size=draft_size
+    )
+    return Parsed(head, hidden, vocab, ours, base_id)
 
 
-def _read_fasterdecoding(path: Path, cfg: dict, base_id: str) -> _Parsed:
+def _read_fasterdecoding(path: Path, cfg: dict, base_id: str) -> Parsed:
     where = path.parent / "config.json"
-    n_layers = _int(cfg, "medusa_num_layers", cfg.get("num_hidden_layers", 1), where)
-    k_heads = _int(cfg, "medusa_num_heads", cfg.get("num_heads"), where)
-    take = _Take(path)
+    n_layers = as_int(cfg, "medusa_num_layers", cfg.get("num_hidden_layers", 1), where)
+    k_heads = as_int(cfg, "medusa_num_heads", cfg.get("num_heads"), where)
+    take = Take(path)
     ours = {o: take(t) for o, _, t in _names(k_heads, n_layers)}
     take.done()
     vocab, hidden = ours["lm_heads.0.weight"].shape
-    head = _head("medusa", num_heads=k_heads, num_layers=n_layers)
-    return _Parsed(head, hidden, vocab, ours, base_id)
+    head = head_config("medusa", num_heads=k_heads, num_layers=n_layers)
+    return Parsed(head, hidden, vocab, ours, base_id)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from train.core.config import fail
-from train.export.common import _read_json
+from train.export.common import read_json
 from train.heads import HeadSet
 
 ARCH_TITLE = {"medusa": "Medusa", "hydra": "Hydra", "hydra_pp": "Hydra++"}
@@ -18,7 +18,7 @@ def eval_result(
 ) -> dict | None:
     """The eval.json for the model card: the one given, else one beside the heads for them."""
     if eval_json is not None:
-        res = _read_json(Path(eval_json))
+        res = read_json(Path(eval_json))
         if (res.get("arch"), res.get("num_heads")) != (heads.arch, heads.num_heads):
             fail(
                 "eval",
@@ -35,7 +35,7 @@ def eval_result(
     ):
         if not p.is_file():
             continue
-        res = _read_json(p)
+        res = read_json(p)
         # Only an eval of these very heads: a sibling run's eval.json must not end up here.
         if res.get("heads") and Path(str(res["heads"])).resolve() == heads_dir.resolve():
             notes.append(f"model card figures from {p} (found)")
