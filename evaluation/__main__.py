@@ -1,5 +1,6 @@
-"""`python -m evaluation [overrides]` is `hydra-heads eval [overrides]` (DESIGN.md). An entry point,
-not part of the package: nothing imports it, so it sits in the CLI layer with launch/."""
+"""`python -m evaluation [overrides]` is `hydra-heads eval [overrides]`.
+An entry point, not part of the package: nothing imports it, so it sits in the CLI layer with
+launch/ (docs/architecture.md)."""
 
 import sys
 

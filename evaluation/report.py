@@ -267,6 +267,8 @@ def leaderboard(runs: list[dict], sort_by: str) -> list[dict]:
 
 
 # -- plots ----------------------------------------------------------------------------------
+# Over 80 lines: one figure after another, each a few lines on the shared style; apart they
+# would repeat it.
 def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
     import matplotlib
 

@@ -1,5 +1,6 @@
-"""`python -m train [overrides]` is `hydra-heads train [overrides]` (DESIGN.md). An entry point,
-not part of the package: nothing imports it, so it sits in the CLI layer with launch/."""
+"""`python -m train [overrides]` is `hydra-heads train [overrides]`.
+An entry point, not part of the package: nothing imports it, so it sits in the CLI layer with
+launch/ (docs/architecture.md)."""
 
 import sys
 

@@ -53,6 +53,8 @@ class _FusedHeadsLoss(torch.autograd.Function):
     argmax at a position are computed once and shared by every head scored against it."""
 
     @staticmethod
+    # Over 80 lines: one chunk loop computes loss and gradient together, so that no chunk's
+    # logits outlive it (the memory bound); split, its state would have to be passed around.
     def forward(ctx, opts, teacher_state, teacher_weight, teacher_top1, *flat):
         # opts: (lm_weight, distill_weight, temperature, chunk, head weights, #CE and #KL
         # positions per head); flat: (state, weight, bias, rows, target) per head

@@ -144,6 +144,8 @@ class HeadsModule(pl.LightningModule):
         return self
 
     # -- the computation ------------------------------------------------------------------
+    # Over 80 lines: the online and offline paths share every step after the hidden states;
+    # one function keeps that order in one place.
     def compute(self, batch: dict) -> tuple[torch.Tensor, list[dict]]:
         """Total loss and per-head figures for one batch."""
         ids, lmask, seg = batch["input_ids"], batch["loss_mask"], batch["segment_ids"]

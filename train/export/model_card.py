@@ -48,6 +48,7 @@ def _num(x: Any, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+# Over 80 lines: the card is one template of text, read top to bottom as it renders.
 def model_card(heads: HeadSet, meta: dict, base_id: str, res: dict | None) -> str:
     """README.md of an hf export: what the heads are, how to use them, how well they did."""
     title = ARCH_TITLE[heads.arch]
