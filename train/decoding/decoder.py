@@ -5,7 +5,7 @@ decoding proposes the root alone: the base's own next token). Verify: one base f
 every row's tree with a tree attention mask, each row at its own RoPE positions (its length
 plus the node's depth). Accept: each row's longest matching path (train/decoding/sampling.py)
 and its bonus token, which roots the row's next tree. Bookkeeping: each row keeps its accepted
-nodes' KV entries, moved down to follow its own prefix (one gather / scatter over every layer,
+nodes' KV entries, moved down to follow its own prefix (one indexed copy over every layer,
 train/decoding/cache.py), Hydra++'s extra layer reads the accepted hidden states into its own
 cache of the same kind, and rows that end (EOS or max_new_tokens) leave the batch.
 
@@ -93,9 +93,10 @@ class Decoder:
             embed = torch.nn.Embedding.from_pretrained(embed.weight.to(self.dtype), freeze=True)
         self.embed = embed
         self.proposer = Proposer(self.heads, embed, self.dtype, self.device)
-        # trees up to this many nodes get all their output logits from one projection, larger
-        # ones walk the tree (one row per accepted node). SmolLM2's 49k x 576 projection on one
-        # core: float32 11 ms for 1 row, 35 ms for 16; bf16 6.6 ms for 1 row, 8.5 ms for 16.
+        # steps of up to this many tree nodes (all rows together) get all their output logits
+        # from one projection, larger ones walk the trees (one row per row and depth reached).
+        # SmolLM2's 49k x 576 projection on one core: float32 11 ms for 1 row, 35 ms for 16;
+        # bf16 6.6 ms for 1 row, 8.5 ms for 16 (a batch of 4 x 16 nodes paid 25 ms a step).
         self.project_all = 5 if self.dtype == torch.float32 else 64
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
@@ -317,9 +318,10 @@ class Decoder:
         """Each row's accepted nodes and bonus token."""
         B, N, _ = final.shape
         lm_head = self.model.lm_head
-        if self.project_all >= N:
-            # one projection of every node reads the output weights once; walking the tree
-            # reads them once per accepted node (each a ~1-row matmul of the same cost)
+        if self.project_all >= B * N:
+            # one projection of every node of every row reads the output weights once;
+            # walking the trees reads them once per depth reached (each a matmul of one row per
+            # row still walking, which costs about as much as one row)
             every = lm_head(final.reshape(B * N, -1)).view(B, N, -1)
 
             def logits(rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
