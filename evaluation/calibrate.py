@@ -57,6 +57,7 @@ def calibrate(
     hits = torch.zeros(2, K, topk, dtype=torch.long)
     totals = torch.zeros(2, K, dtype=torch.long)
     embed = model.get_input_embeddings()
+    dtype = next(heads.parameters()).dtype
     device = next(model.parameters()).device
     n_rows = 0
     for ids_list, mask_list in rows:
@@ -72,10 +73,10 @@ def calibrate(
         final = out.last_hidden_state[0]  # (T, H)
         ctx_in = (
             final if hidden_state_offset == 0 else out.hidden_states[-1 - hidden_state_offset][0]
-        ).float()  # the heads run in float32 over a bf16 base too
+        ).to(dtype)  # the heads' own dtype: the decoder's heads run in the base's
         argmax = torch.cat([model.lm_head(c).argmax(-1) for c in final.split(chunk)])  # (T,)
         match = ids[1:] == argmax[:-1]  # (T-1,): x_{t+1} is the base's greedy token after t
-        states = heads(ctx_in[None], embed(ids).float()[None] if heads.uses_path else None)
+        states = heads(ctx_in[None], embed(ids).to(dtype)[None] if heads.uses_path else None)
         ok = torch.ones(T - 1, dtype=torch.bool, device=device)
         for k in range(1, K + 1):
             n = T - 1 - k  # positions t with a target at t + k + 1 <= T - 1

@@ -153,6 +153,23 @@ def test_eval_dynamic_tree_on_a_quantized_base_reports_its_backend(tiny_heads, t
     assert not (tmp_path / "eval" / "tree.json").exists()  # no one tree to save
 
 
+def test_eval_auto_tree_on_a_bf16_base_calibrates_the_heads_in_its_dtype(trained_heads, tmp_path):
+    """tree=auto on a bf16 base: the decoder's heads run in bf16, and calibration and the timed
+    candidates use those same heads (a float32 calibration input would fail on them)."""
+    _, res = _eval(
+        trained_heads,
+        tmp_path / "eval",
+        "tree=auto",
+        "tree.budget=4",
+        "tree.calibration_rows=4",
+        "eval.base_quant=bf16",
+        "eval.num_prompts=2",
+        "eval.max_new_tokens=8",
+    )
+    assert res["tree"]["kind"] == "auto" and len(res["tree"]["auto"]) >= 2
+    assert res["backend"]["base_quant"] == "bf16" and res["tau"] >= 1.0
+
+
 def test_eval_temperature_tree_takes_the_shape_of_its_temperature(tiny_heads, tmp_path):
     _, res = _eval(
         tiny_heads,
