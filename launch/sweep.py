@@ -35,7 +35,6 @@ from launch.search import run_search
 from launch.sweep_state import (
     load_state,
     locked,
-    plan_points,
     point_lock,
     read_state,
     record_job,
@@ -44,8 +43,8 @@ from launch.sweep_state import (
 from train.core.atomic import write_json
 from train.core.errors import ConfigError
 
-# The sweep's API; plan_points and load_state live in launch/sweep_state.py.
-__all__ = ["load_state", "plan_points", "run_sweep", "submit_points"]
+# The sweep's API (its state, plan_points and load_state, is launch/sweep_state.py's).
+__all__ = ["run_sweep", "submit_points"]
 
 
 def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:

@@ -86,7 +86,7 @@ def test_every_group_option_composes_and_validates(group):
                 cfg = to_typed(compose("eval", [*overrides, "heads=/tmp/h"]), EvalConfig)
             elif primary == "sweep":
                 from launch.config import SweepConfig
-                from launch.sweep import plan_points
+                from launch.sweep_state import plan_points
 
                 cfg = to_typed(compose("sweep", overrides), SweepConfig)
                 assert cfg.sweep.name == option and plan_points(cfg.sweep)
