@@ -107,11 +107,6 @@ class KVCache(Cache):
         self.buf = other.buf.new_zeros(L, 2, rows, H, self.capacity, D)
         self.rows = rows
 
-    @classmethod
-    def for_model(cls, model, capacity: int) -> KVCache:
-        """A cache for every decoder layer of a transformers causal LM."""
-        return cls(num_layers(model), capacity)
-
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.end - self.lo
 
@@ -155,7 +150,7 @@ class KVCache(Cache):
 
 def new_cache(model, capacity: int) -> KVCache:
     """The base's KV cache for one generation of up to `capacity` positions per row."""
-    return KVCache.for_model(model, capacity)
+    return KVCache(num_layers(model), capacity)
 
 
 def num_layers(model) -> int:

@@ -106,7 +106,6 @@ class Decoder:
         self.compiled_shapes: set[tuple[int, int]] = set()
         self.static_caches: dict[int, object] = {}  # capacity bucket -> its StaticCache
         self.compile_s = 0.0
-        self.has_tree = False
         if tree is not None:
             self.set_tree(tree)
 
@@ -116,7 +115,11 @@ class Decoder:
         if self.heads is None:
             raise ValueError("speculative decoding needs heads")
         self.proposer.set_tree(tree)
-        self.has_tree = True
+
+    @property
+    def has_tree(self) -> bool:
+        """Whether set_tree was called (an empty fixed tree counts: it decodes plainly)."""
+        return self.tree is not None or self.dynamic is not None
 
     @property
     def tree(self) -> Tree | None:
@@ -350,15 +353,10 @@ class Decoder:
         """Keep each row's accepted entries in the caches and, with `hid` (speculative
         decoding), read them into the heads' context. Returns (B,) accepted counts."""
         dev = self.device
-        if len(accepted) == 1:  # batch 1: the accepted nodes as they are, nothing padded
-            n = torch.tensor([accepted[0][0].numel()], device=dev)
-            col = torch.arange(int(n[0]), device=dev)[None]
-            picked = accepted[0][0][None]
-        else:
-            n = torch.tensor([int(a.numel()) for a, _ in accepted], device=dev)
-            # a shorter row repeats its last node into its last slot: same value, same place
-            col = torch.minimum(torch.arange(int(n.max()), device=dev)[None], (n - 1)[:, None])
-            picked = torch.stack([a.to(dev)[col[b]] for b, (a, _) in enumerate(accepted)])
+        n = torch.tensor([int(a.numel()) for a, _ in accepted], device=dev)
+        # a shorter row repeats its last node into its last slot: same value, same place
+        col = torch.minimum(torch.arange(int(n.max()), device=dev)[None], (n - 1)[:, None])
+        picked = torch.stack([a.to(dev)[col[b]] for b, (a, _) in enumerate(accepted)])
         start, end = st.start, int((st.lengths + n).max())
         dst = st.lengths[:, None] + col
         if isinstance(st.cache, KVCache):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from train.decoding.backend import cache_kwarg
-from train.decoding.cache import KVCache
+from train.decoding.cache import KVCache, new_cache
 from train.decoding.sampling import sample_rows
 
 # Padded tokens per prefill forward: on one CPU core SmolLM2's prefill throughput stops growing
@@ -95,10 +95,10 @@ def _prefill(model, prompts, pad: int, capacity: int) -> tuple[KVCache, torch.Te
     cache, last = None, None
     for g in prefill_groups(prompts):
         ids, mask = _left_pad([prompts[i] for i in g], pad, device)
-        group = KVCache.for_model(model, ids.shape[1])
+        group = new_cache(model, ids.shape[1])
         logits = _forward(model, ids, mask, _positions(mask), group)
         if cache is None:
-            cache = KVCache.for_model(model, capacity)
+            cache = new_cache(model, capacity)
             cache.allocate_like(group, rows)
             last = logits.new_empty(rows, logits.shape[-1])
         cache.insert(group, torch.tensor(g), width)
