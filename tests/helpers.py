@@ -245,7 +245,7 @@ class OracleDecoder(Decoder):
         at = int(lengths[0]) - self.prompt_len  # ref[at] is the root
         root = int(roots[0])
         assert self.ref[at] == root
-        tokens = torch.empty(1, self.tree.num_nodes, dtype=torch.long)
+        tokens = torch.empty(1, self.tree.num_nodes, dtype=torch.long, device=roots.device)
         tokens[0, 0] = root
         for i, p in enumerate(self.tree.paths, start=1):
             true = self.ref[at + len(p)] if at + len(p) < len(self.ref) else 0
@@ -253,6 +253,19 @@ class OracleDecoder(Decoder):
             tokens[0, i] = true if on_path else (true + 1 + i) % self.model.config.vocab_size
         prop = self.proposer
         return Proposal([self.tree], tokens, prop.bias, prop.depth)
+
+
+def oracle_decode(model, heads, ids: list[int], true_path: list[int], new: int = 60):
+    """(plain greedy tokens, the OracleDecoder's speculative Generation) on a [3, 2, 2] tree
+    whose `true_path` ranks hold the true continuation."""
+    from train.decoding.tree import Tree, branching
+
+    ref = Decoder(model, set(), heads).plain([ids], new)[0].tokens
+    tree = Tree.from_paths(branching([3, 2, 2]))
+    dec = OracleDecoder(
+        model, set(), heads, tree, ref=ref, prompt_len=len(ids), true_path=true_path
+    )
+    return ref, dec.speculative([ids], new)[0]
 
 
 # -- head outputs the tests compare (production proposes through train/decoding/propose.py) -----

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import OracleDecoder, make_heads, trees
+from tests.helpers import make_heads, oracle_decode, trees
 from train.decoding.decoder import Decoder
 from train.decoding.dynamic import DynamicTree
 from train.decoding.propose import Proposal
@@ -67,13 +67,7 @@ def test_plain_decode_matches_transformers_generate(tiny_base):
 def test_oracle_heads_accept_full_paths_and_keep_the_right_kv(tiny_base, true_path):
     model = tiny_base.model
     heads = make_heads(model, "hydra_pp", 0, 0.1)
-    ids = encode(tiny_base.tokenizer, PROMPTS[1])
-    ref = Decoder(model, set(), heads).plain([ids], 60)[0].tokens
-    tree = Tree.from_paths(branching([3, 2, 2]))
-    dec = OracleDecoder(
-        model, set(), heads, tree, ref=ref, prompt_len=len(ids), true_path=true_path
-    )
-    gen = dec.speculative([ids], 60)[0]
+    ref, gen = oracle_decode(model, heads, encode(tiny_base.tokenizer, PROMPTS[1]), true_path)
     assert gen.tokens == ref
     # every step but the last accepts the whole path (3 drafts) + bonus: tau 4
     assert gen.accepted[:-1] == [3] * (len(gen.accepted) - 1)

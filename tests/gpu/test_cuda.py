@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import REPO, OracleDecoder, make_heads, train_config
+from tests.helpers import REPO, make_heads, oracle_decode, train_config
 from train.decoding.decoder import Decoder
 from train.decoding.tree import PRESETS, Tree, branching
 from train.heads import HEADS
@@ -135,13 +135,7 @@ def test_oracle_heads_accept_whole_paths_on_cuda(tiny_base, fp32_matmul, true_pa
     whole path through non-zero ranks, so the KV-cache compaction on CUDA moves entries."""
     model = copy.deepcopy(tiny_base.model).to("cuda")
     heads = make_heads(tiny_base.model, "hydra_pp", 0, 0.1).to("cuda")
-    ids = _encode(tiny_base.tokenizer, PROMPTS[1])
-    ref = Decoder(model, set(), heads).plain([ids], 60)[0].tokens
-    tree = Tree.from_paths(branching([3, 2, 2]))
-    dec = OracleDecoder(
-        model, set(), heads, tree, ref=ref, prompt_len=len(ids), true_path=true_path
-    )
-    gen = dec.speculative([ids], 60)[0]
+    ref, gen = oracle_decode(model, heads, _encode(tiny_base.tokenizer, PROMPTS[1]), true_path)
     assert gen.tokens == ref
     assert gen.accepted[:-1] == [3] * (len(gen.accepted) - 1)
 
