@@ -103,6 +103,12 @@ class ValTauConfig(ConfigModel):
     ]
 
 
+# Lightning's precision names, and auto: bf16-mixed where bf16 is fast, else 32-true
+# (train/core/hardware.py, resolved and logged at start-up)
+PRECISIONS = ("auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true",
+              "32", "16", "bf16", "64")  # fmt: skip
+
+
 class TrainConfig(ConfigModel):
     """Everything `hydra-heads train` needs (conf/train.yaml)."""
 
@@ -127,6 +133,9 @@ class TrainConfig(ConfigModel):
         steps = self.trainer.get("max_steps")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
             fail("trainer.max_steps", steps, "a positive integer (the LR schedule is per step)")
+        precision = str(self.trainer.get("precision", "32-true"))
+        if precision not in PRECISIONS:
+            fail("trainer.precision", precision, f"one of {', '.join(PRECISIONS)}")
         if self.data.offline and self.head.hidden_state_offset:
             fail(
                 "head.hidden_state_offset",

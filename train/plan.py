@@ -66,11 +66,14 @@ def setup_of(trainer: dict, base_dtype: str) -> Setup:
     devices = trainer.get("devices", 1)
     devices = devices if isinstance(devices, int) else 1
     world = devices * int(trainer.get("num_nodes", 1) or 1)
-    half = str(trainer.get("precision", "32-true")).startswith(("bf16", "16"))
+    device = "cpu" if trainer.get("accelerator") == "cpu" else "gpu"
+    precision = str(trainer.get("precision", "32-true"))
+    # auto is bf16-mixed on the GPUs a plan sizes; on a CPU it depends on its units: the larger
+    half = precision.startswith(("bf16", "16")) or (precision == "auto" and device == "gpu")
     return Setup(
         world=world,
         strategy=strategy_of(trainer) if world > 1 else "single",
-        device="cpu" if trainer.get("accelerator") == "cpu" else "gpu",
+        device=device,
         act_bytes=2 if half else 4,
         base_bytes=4 if base_dtype == "float32" else 2,  # bfloat16 / float16 / auto
     )

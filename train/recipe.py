@@ -18,6 +18,7 @@ from train.config import TrainConfig
 from train.core.atomic import write_json, write_text
 from train.core.base import DeferredBase, FrozenBase, load_base
 from train.core.errors import AlreadyExists, NotFound
+from train.core.hardware import cpu_has_bf16, resolve_precision
 from train.data import (
     NOT_RESUMABLE_WARNING,
     PreparedDataModule,
@@ -179,11 +180,6 @@ def build_module(
     return module, dm, meta, base
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has bf16 matmul units (AVX512-BF16 or AMX) that oneDNN uses."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 def warn_slow_cpu_bf16(trainer: pl.Trainer) -> bool:
     """Warn (and return True) when bf16 autocast runs on a CPU without bf16 units: there its
     matmuls are several times slower than fp32; with them an offline step is ~2.3x faster."""
@@ -199,9 +195,15 @@ def warn_slow_cpu_bf16(trainer: pl.Trainer) -> bool:
 
 
 def make_trainer(cfg: TrainConfig, **kwargs: Any) -> pl.Trainer:
-    """The Lightning Trainer of `cfg.trainer` (a checked `_target_` config) with `kwargs`."""
+    """The Lightning Trainer of `cfg.trainer` (a checked `_target_` config) with `kwargs`;
+    `trainer.precision=auto` resolved for this machine (train/core/hardware.py) and logged."""
     from hydra.utils import instantiate
 
+    asked = cfg.trainer.get("precision", "32-true")
+    if "precision" not in kwargs and str(asked) == "auto":
+        precision, why = resolve_precision(asked, cfg.trainer.get("accelerator"))
+        log.info("trainer.precision=auto -> %s (%s)", precision, why)
+        kwargs["precision"] = precision
     return instantiate(cfg.trainer, **kwargs)
 
 

@@ -281,6 +281,50 @@ def test_bf16_autocast_step_matches_fp32_and_slow_cpus_are_warned(
     assert not recipe.warn_slow_cpu_bf16(trainer("bf16-mixed"))
 
 
+def test_cpu_bf16_units_come_from_the_cpu_flags_not_from_onednn(monkeypatch):
+    """oneDNN calls bf16 'supported' on any AVX-512 CPU (it emulates it there, several times
+    slower than float32); only AVX512-BF16 or AMX-BF16 in the CPU's flags count."""
+    from train.core import hardware
+
+    def caps(**flags):
+        return lambda: {"avx512_f": True, "avx512_bw": True, **flags}
+
+    for flags, want in [({}, False), ({"avx512_bf16": True}, True), ({"amx_bf16": True}, True)]:
+        monkeypatch.setattr(torch.cpu, "get_capabilities", caps(**flags))
+        hardware.cpu_has_bf16.cache_clear()
+        assert hardware.cpu_has_bf16() is want, flags
+    hardware.cpu_has_bf16.cache_clear()
+
+
+def test_precision_auto_resolves_from_the_cpu_and_is_logged(
+    tiny_prepared, tmp_path, monkeypatch, caplog
+):
+    import logging
+
+    from train.core import hardware
+    from train.recipe import make_trainer
+
+    cfg = _cfg(tiny_prepared, tmp_path, "trainer.precision=auto")
+    for units, want in [(False, "32-true"), (True, "bf16-mixed")]:
+        monkeypatch.setattr(hardware, "cpu_has_bf16", lambda u=units: u)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="train.recipe"):
+            trainer = make_trainer(cfg, logger=False)
+        assert trainer.precision == want
+        assert f"trainer.precision=auto -> {want}" in caplog.text
+    # a precision named outright is used as it is, whatever the CPU
+    fixed = _cfg(tiny_prepared, tmp_path, "trainer.precision=32-true")
+    assert make_trainer(fixed, logger=False).precision == "32-true"
+    assert hardware.resolve_precision("bf16-mixed", "cpu") == ("bf16-mixed", "as configured")
+
+
+def test_an_unknown_precision_is_refused_before_any_work(tiny_prepared, tmp_path):
+    from train.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer.precision.*'bf17'.*one of auto, 32-true"):
+        _cfg(tiny_prepared, tmp_path, "trainer.precision=bf17")
+
+
 def test_progress_bar_shows_steps_not_a_negative_epoch_total(tiny_prepared, tmp_path):
     """A run budgeted in steps (max_epochs=-1) has no epoch total: the bar says `Epoch N`, not
     Lightning's `Epoch N/-2`, and counts optimizer steps out of trainer.max_steps."""
