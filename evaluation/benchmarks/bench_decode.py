@@ -9,7 +9,8 @@ Prints:
   1. the cost of one base forward over n = 1, 2, 4, ..., 64 new tokens on a `--context`-token
      KV cache (the verify pass of an (n-1)-node tree, tree mask included) relative to a
      one-token step of the same backend: the engine's cache with transformers' sdpa attention,
-     and with the grouped-KV kernel in float32, bf16 and int8. Goal: 16 tokens <= 1.3x.
+     and with the grouped-KV kernel in float32 (with the standard weight layout and with
+     eval.weight_layout=auto's transposed copies), bf16 and int8. Goal: 16 tokens <= 1.3x.
   2. per tree (chain, sparse presets, calibrated trees of several sizes, dynamic trees), on the
      float32 base: the whole speculative step (a real 24-token decode, per base forward)
      relative to a plain step, which is the break-even tau (speculation pays when tau exceeds
@@ -47,7 +48,12 @@ from train.core.base import load_base, recorded_base  # noqa: E402
 from train.core.checkpoint import read_meta  # noqa: E402
 from train.core.config import from_group  # noqa: E402
 from train.core.prompts import held_out_prompts, prepared_rows  # noqa: E402
-from train.decoding.backend import forward, quantize_base, use_gqa_attention  # noqa: E402
+from train.decoding.backend import (  # noqa: E402
+    forward,
+    quantize_base,
+    use_dual_layout,
+    use_gqa_attention,
+)
 from train.decoding.cache import new_cache  # noqa: E402
 from train.decoding.decoder import Decoder  # noqa: E402
 from train.decoding.dynamic import DynamicTree  # noqa: E402
@@ -57,16 +63,17 @@ from train.decoding.tree import PRESETS, Tree, chain, grow, tree_bias  # noqa: E
 from train.heads import load_heads  # noqa: E402
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
-# backend name -> (base weights, compiled, transformers' own attention)
+# backend name -> (base weights, compiled, transformers' own attention, weight layout)
 BACKENDS = {
-    "hf-attention fp32": ("none", False, True),
-    "fp32": ("none", False, False),
-    "bf16": ("bf16", False, False),
-    "int8": ("int8", False, False),
-    "compiled fp32": ("none", True, False),
-    "compiled bf16": ("bf16", True, False),
+    "hf-attention fp32": ("none", False, True, "standard"),
+    "fp32 standard layout": ("none", False, False, "standard"),
+    "fp32": ("none", False, False, "auto"),
+    "bf16": ("bf16", False, False, "auto"),
+    "int8": ("int8", False, False, "auto"),
+    "compiled fp32": ("none", True, False, "auto"),
+    "compiled bf16": ("bf16", True, False, "auto"),
 }
-EAGER = [name for name, (_, compiled, _) in BACKENDS.items() if not compiled]
+EAGER = [name for name, (_, compiled, *_) in BACKENDS.items() if not compiled]
 
 
 def median_time(fn, reps: int) -> float:
@@ -88,8 +95,9 @@ class Backends:
 
     def get(self, name: str) -> Decoder:
         if name not in self.decoders:
-            quant, compiled, hf_attention = BACKENDS[name]
+            quant, compiled, hf_attention, layout = BACKENDS[name]
             model = quantize_base(copy.deepcopy(self.model), quant)
+            use_dual_layout(model, layout)
             if not hf_attention:
                 use_gqa_attention(model)
             self.decoders[name] = Decoder(
@@ -215,6 +223,7 @@ def compare(dec: Decoder, tree, prompts, max_new: int, batch: int = 1) -> dict:
 def section_features(backends: Backends, fixed: Tree, prompts, args, console: Console) -> None:
     dynamic = DynamicTree(budget=fixed.num_nodes - 1, expand=4, width=4)
     runs = {
+        "fp32 standard layout": ("fp32 standard layout", fixed, 1),
         "fp32": ("fp32", fixed, 1),
         "fp32, dynamic tree": ("fp32", dynamic, 1),
         "int8": ("int8", fixed, 1),

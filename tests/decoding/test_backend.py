@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from tests.helpers import make_heads
-from train.decoding.backend import BackendError, forward, quantize_base, use_gqa_attention
+from train.decoding import backend
+from train.decoding.backend import (
+    BackendError,
+    DualLinear,
+    forward,
+    quantize_base,
+    use_dual_layout,
+    use_gqa_attention,
+)
 from train.decoding.cache import new_cache
 from train.decoding.decoder import Decoder
 from train.decoding.tree import PRESETS, Tree, tree_bias
@@ -57,6 +65,49 @@ def test_quantized_base_decodes_its_own_greedy_tokens_with_heads_in_its_dtype(ti
     spec = dec.speculative([PROMPT], 20)[0]
     assert len(spec.tokens) == 20 and spec.tau >= 1.0
     assert all(0 <= t < model.config.vocab_size for t in spec.tokens)
+
+
+def test_dual_layout_linear_computes_the_same_product_in_either_layout():
+    lin = torch.nn.Linear(48, 80)
+    dual = DualLinear(lin, frozenset(range(4, 13)))
+    assert dual.weight is lin.weight and dual.bias is lin.bias  # shared: ties stay tied
+    for rows, transposed in [(1, False), (4, True), (12, True), (16, False), (40, False)]:
+        x = torch.randn(rows, 48)
+        assert dual.take[min(rows, 32)] is transposed
+        assert torch.allclose(dual(x), lin(x), atol=1e-5)
+    x = torch.randn(2, 3, 48)  # (B, n, H): the rows are B * n = 6
+    assert torch.allclose(dual(x), lin(x), atol=1e-5)
+
+
+def test_dual_layout_decodes_the_same_tokens_and_skips_what_it_cannot_help(tiny_base, monkeypatch):
+    """With the transposed copy taken at every verify size, greedy speculative decoding still
+    equals plain decoding, and both equal the standard layout's; bf16 weights are left alone."""
+    heads = make_heads(tiny_base.model, "hydra_pp", 4, 0.05)
+    tree = Tree.from_paths(PRESETS["sparse_15"])
+    ref = Decoder(tiny_base.model, set(), heads, tree)
+    want = ref.plain([PROMPT], 24)[0].tokens
+    monkeypatch.setattr(backend, "transposed_rows", lambda w: frozenset(range(2, 33)))
+    model = copy.deepcopy(tiny_base.model)
+    chosen = use_dual_layout(model)
+    assert chosen and all(v == "2-32" for v in chosen.values())
+    assert isinstance(model.model.layers[0].mlp.down_proj, DualLinear)
+    assert isinstance(model.lm_head, DualLinear)
+    dec = Decoder(model, set(), heads, tree)
+    assert dec.plain([PROMPT], 24)[0].tokens == want
+    assert dec.speculative([PROMPT], 24)[0].tokens == want
+    assert use_dual_layout(copy.deepcopy(tiny_base.model), "standard") == {}
+    assert use_dual_layout(copy.deepcopy(tiny_base.model).to(torch.bfloat16)) == {}
+    with pytest.raises(BackendError, match="eval.weight_layout='nn' is invalid"):
+        use_dual_layout(model, "nn")
+
+
+def test_transposed_rows_are_row_counts_the_machine_timed():
+    rows = backend.transposed_rows(torch.randn(64, 32))
+    assert rows <= frozenset(range(1, 33))
+    # each count takes the choice timed at the next probed count: a span never splits one
+    for n in rows:
+        probe = next(p for p in backend.PROBE_ROWS if p >= n)
+        assert probe in rows
 
 
 def test_unknown_quantization_fails_clearly(tiny_base):

@@ -148,6 +148,9 @@ def test_eval_dynamic_tree_on_a_quantized_base_reports_its_backend(tiny_heads, t
     )
     assert res["tree"]["kind"] == "dynamic" and res["tree"]["num_nodes"] == 10
     assert res["backend"]["base_quant"] == quant
+    assert res["backend"]["weight_layout"] == "auto"
+    if quant == "int8":  # no float32 linear layer left to give a transposed copy
+        assert res["backend"]["transposed_rows"] == {}
     assert res["lossless"] is (True if quant == "none" else None)
     assert 0.0 <= res["identical_to_plain"] <= 1.0
     assert not (tmp_path / "eval" / "tree.json").exists()  # no one tree to save

@@ -11,6 +11,15 @@
   plain decoding share the one quantized base, so "lossless" means identical to plain greedy
   decoding of that base. The heads run in the base's compute dtype (bf16 on a bf16 base,
   float32 on an int8 one).
+- Weight layout (`eval.weight_layout`): a float32 CPU matmul of a few rows (a verify pass of
+  4-15 tokens) is slow in the layout torch stores linear weights in, (out, in): on this
+  project's 2-core Xeon, SmolLM2's 576 -> 1536 projection of 8 rows took 3x its time at 1
+  row, while a 16-row one took less than the 8-row one. The same product with a transposed
+  copy of the weights, (in, out), grows smoothly with the rows. `use_dual_layout` times both
+  layouts per weight shape and row count on this machine and gives each linear layer the
+  transposed copy where it is faster, kept beside the original (one more copy of the weights
+  in memory). Both layouts compute the same product; a different kernel may round its last
+  bit differently, as a different batch size does.
 - Compile: `compile_body` compiles the base's body (inductor with frozen weights on CPU, CUDA
   graphs on CUDA); the decoder keeps one graph per verify size and capacity bucket.
 - `forward`: the base over new tokens at given positions, appending to a cache.
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 import warnings
 
 import torch
@@ -30,6 +40,10 @@ from train.core.errors import UserError
 
 ATTENTION = "hydra_sdpa_gqa"
 BASE_QUANT = ("none", "bf16", "int8")
+WEIGHT_LAYOUT = ("auto", "standard")
+# rows timed per weight shape (a verify pass of up to 32 tokens); a count in between takes the
+# layout of the next one timed
+PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 class BackendError(UserError, ValueError):
@@ -103,6 +117,96 @@ def quantize_base(model: nn.Module, quant: str) -> nn.Module:
     with warnings.catch_warnings():  # torch.ao's deprecation notice, once per linear layer
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+class DualLinear(nn.Module):
+    """A float32 linear layer with its weight in both layouts: the original (out, in), and a
+    transposed (in, out) copy for the row counts in `rows` (a call past the largest counted
+    takes the largest's choice)."""
+
+    def __init__(self, linear: nn.Linear, rows: frozenset[int]):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias  # shared (tied weights stay tied)
+        self.register_buffer("weight_t", linear.weight.detach().t().contiguous(), persistent=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.take = [n in rows for n in range(PROBE_ROWS[-1] + 1)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel() // self.in_features
+        if not self.take[min(n, len(self.take) - 1)]:
+            return F.linear(x, self.weight, self.bias)
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
+
+
+def _best_of(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def transposed_rows(weight: torch.Tensor, margin: float = 0.9) -> frozenset[int]:
+    """The row counts (1..32) at which the transposed layout is faster than the original on
+    this machine (under `margin` of its time): each count takes the choice timed at the next
+    count of PROBE_ROWS."""
+    w, wt = weight.detach(), weight.detach().t().contiguous()
+    reps = 3 if w.numel() > 4_000_000 else 7  # an output projection: each call is ~10 ms
+    faster = {}
+    with torch.no_grad():
+        for n in PROBE_ROWS:
+            x = torch.randn(n, w.shape[1], dtype=w.dtype)
+            standard = _best_of(lambda x=x: F.linear(x, w), reps)
+            faster[n] = _best_of(lambda x=x: x @ wt, reps) < margin * standard
+    return frozenset(
+        n for n in range(1, PROBE_ROWS[-1] + 1) if faster[next(p for p in PROBE_ROWS if p >= n)]
+    )
+
+
+def _spans(rows: frozenset[int]) -> str:
+    """{1, 2, 3, 7, 8} -> '1-3,7-8'."""
+    out, run = [], []
+    for n in sorted(rows):
+        if run and n != run[-1] + 1:
+            out.append(run)
+            run = []
+        run.append(n)
+    out.append(run)
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out if r)
+
+
+def use_dual_layout(model: nn.Module, layout: str = "auto") -> dict[str, str]:
+    """With layout=auto, give each float32 CPU linear layer of `model` the transposed copy of
+    its weight at the row counts where timing on this machine says it is faster (see the
+    module docstring). Returns {"<out>x<in>": those row counts, as spans like '4-12'} for the
+    shapes that got one."""
+    if layout not in WEIGHT_LAYOUT:
+        raise BackendError(
+            f"eval.weight_layout={layout!r} is invalid: choose one of {', '.join(WEIGHT_LAYOUT)}"
+        )
+    if layout == "standard":
+        return {}
+    linears = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+        and child.weight.dtype == torch.float32
+        and child.weight.device.type == "cpu"
+    ]
+    chosen: dict[tuple[int, int], frozenset[int]] = {}
+    for _, _, lin in linears:
+        shape = tuple(lin.weight.shape)
+        if shape not in chosen:
+            chosen[shape] = transposed_rows(lin.weight)
+    for parent, name, lin in linears:
+        rows = chosen[tuple(lin.weight.shape)]
+        if rows:
+            setattr(parent, name, DualLinear(lin, rows))
+    return {f"{o}x{i}": _spans(r) for (o, i), r in chosen.items() if r}
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:
