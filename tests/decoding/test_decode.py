@@ -110,6 +110,25 @@ def test_greedy_rule_follows_the_matching_child():
     )
     assert nodes.tolist() == [0, 2, 4] and bonus == 6
     assert nodes2.tolist() == [0] and bonus2 == 8
+    # looking ahead along first children projects more nodes per pass, never other answers,
+    # and takes fewer passes where the path follows first children
+    chain_tree = Tree.from_paths([[0], [0, 0], [0, 0, 0]])
+    chain_logits = torch.zeros(4, 10)
+    for node, tok in enumerate([3, 5, 2, 6]):  # the base picks each next chain token, then 6
+        chain_logits[node, tok] = 1
+    for ahead, passes in [(0, 4), (1, 2), (3, 1)]:
+        got = accept_greedy([tree, tree], torch.stack([tokens, tokens]), lambda r, i: rows[r, i],
+                            ahead)  # fmt: skip
+        assert [(n.tolist(), c) for n, c in got] == [([0, 2, 4], 6), ([0], 8)]
+        calls = []
+
+        def chain_rows(r, i, calls=calls):
+            calls.append(i.tolist())
+            return chain_logits[i]
+
+        ((n, c),) = accept_greedy([chain_tree], torch.tensor([[7, 3, 5, 2]]), chain_rows, ahead)
+        assert n.tolist() == [0, 1, 2, 3] and c == 6
+        assert len(calls) == passes, (ahead, calls)
 
 
 def test_sampling_config_rejects_mismatched_rules():

@@ -96,28 +96,47 @@ Logits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Accepted = tuple[torch.Tensor, int]  # a row's accepted nodes (root first) and bonus token
 
 
-def accept_greedy(trees: list[Tree], tokens: torch.Tensor, logits: Logits) -> list[Accepted]:
+def accept_greedy(
+    trees: list[Tree], tokens: torch.Tensor, logits: Logits, ahead: int = 0
+) -> list[Accepted]:
     """tokens (B, N): each row's tree tokens, root first. Every row walks down its tree at
-    once: at each depth one projection of one node per row still walking, and the row follows
-    the child whose token is the base's argmax after its parent (children of one parent are
-    distinct, so at most one matches)."""
+    once: at each pass one projection of the node each row still walking stands on, and the
+    row follows the child whose token is the base's argmax after that node (children of one
+    parent are distinct, so at most one matches).
+
+    `ahead`: each pass also projects up to that many nodes below, along the first children
+    (the heads' likeliest): where a float32 projection of 2 rows costs what 1 does, a row that
+    accepts its first child then needs no pass of its own for it."""
     B, dev = len(trees), tokens.device
     toks = tokens.tolist()
     cur, nodes, bonus = [0] * B, [[0] for _ in range(B)], [0] * B
+    known: list[dict[int, int]] = [{} for _ in range(B)]  # node -> the base's argmax after it
     active = list(range(B))
     while active:
-        rows = torch.tensor(active, device=dev)
-        at = torch.tensor([cur[b] for b in active], device=dev)
-        choice = logits(rows, at).argmax(-1).tolist()
+        rows, at = [], []
+        for b in active:
+            n = cur[b]
+            for _ in range(ahead + 1):
+                rows.append(b)
+                at.append(n)
+                kids = trees[b].children[n]
+                if not kids:
+                    break
+                n = kids[0]
+        choice = logits(torch.tensor(rows, device=dev), torch.tensor(at, device=dev))
+        for b, n, c in zip(rows, at, choice.argmax(-1).tolist(), strict=True):
+            known[b][n] = c
         still = []
-        for b, c in zip(active, choice, strict=True):
-            nxt = next((ch for ch in trees[b].children[cur[b]] if toks[b][ch] == c), None)
-            if nxt is None:
-                bonus[b] = c
-            else:
+        for b in active:
+            while (c := known[b].get(cur[b])) is not None:
+                nxt = next((ch for ch in trees[b].children[cur[b]] if toks[b][ch] == c), None)
+                if nxt is None:
+                    bonus[b] = c
+                    break
                 cur[b] = nxt
                 nodes[b].append(nxt)
-                still.append(b)
+            else:
+                still.append(b)  # reached a node not projected yet
         active = still
     return [(torch.tensor(n, device=dev), c) for n, c in zip(nodes, bonus, strict=True)]
 
