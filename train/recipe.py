@@ -199,9 +199,8 @@ def make_trainer(cfg: TrainConfig, **kwargs: Any) -> pl.Trainer:
     `trainer.precision=auto` resolved for this machine (train/core/hardware.py) and logged."""
     from hydra.utils import instantiate
 
-    asked = cfg.trainer.get("precision", "32-true")
-    if "precision" not in kwargs and str(asked) == "auto":
-        precision, why = resolve_precision(asked, cfg.trainer.get("accelerator"))
+    if "precision" not in kwargs and str(cfg.trainer.get("precision")) == "auto":
+        precision, why = resolve_precision("auto", cfg.trainer.get("accelerator"))
         log.info("trainer.precision=auto -> %s (%s)", precision, why)
         kwargs["precision"] = precision
     return instantiate(cfg.trainer, **kwargs)

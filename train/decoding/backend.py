@@ -197,13 +197,12 @@ def use_dual_layout(model: nn.Module, layout: str = "auto") -> dict[str, str]:
         and child.weight.dtype == torch.float32
         and child.weight.device.type == "cpu"
     ]
-    chosen: dict[tuple[int, int], frozenset[int]] = {}
-    for _, _, lin in linears:
+    chosen: dict[tuple[int, int], frozenset[int]] = {}  # timed once per weight shape
+    for parent, name, lin in linears:
         shape = tuple(lin.weight.shape)
         if shape not in chosen:
             chosen[shape] = transposed_rows(lin.weight)
-    for parent, name, lin in linears:
-        rows = chosen[tuple(lin.weight.shape)]
+        rows = chosen[shape]
         if rows:
             setattr(parent, name, DualLinear(lin, rows))
     return {f"{o}x{i}": _spans(r) for (o, i), r in chosen.items() if r}
