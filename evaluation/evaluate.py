@@ -26,7 +26,7 @@ from train.core.checkpoint import read_meta
 from train.core.errors import ConfigError, NotFound, UserError
 from train.core.prompts import PromptItem, held_out_prompts, jsonl_prompts, prepared_rows
 from train.core.readers import DataError, SkipLog
-from train.decoding.backend import quantize_base, use_dual_layout, use_gqa_attention
+from train.decoding.backend import quantize_base, use_gqa_attention, use_weight_layout
 from train.decoding.decoder import Decoder
 from train.decoding.dynamic import DynamicTree, Shape, by_temperature
 from train.decoding.generation import Generation, acceptance_figures
@@ -93,7 +93,6 @@ def setup(cfg: EvalConfig) -> tuple[FrozenBase, Decoder, Tree | None, dict]:
     heads, meta = load_heads(cfg.heads, base.fingerprint(), ev.device)
     meta["base_fingerprint"] = base.fingerprint()  # of the unquantized weights
     base.model = quantize_base(base.model, ev.base_quant)
-    meta["transposed_rows"] = use_dual_layout(base.model, ev.weight_layout)
     use_gqa_attention(base.model)
     use_gqa_attention(heads)
     tree = fixed_tree(cfg.tree, heads.num_heads, ev.temperature)
@@ -103,6 +102,10 @@ def setup(cfg: EvalConfig) -> tuple[FrozenBase, Decoder, Tree | None, dict]:
     offset = int(meta.get("hidden_state_offset") or 0)
     eos = eos_ids(base.tokenizer, base.model)
     decoder = Decoder(base.model, eos, heads, None, sampling, offset, ev.compile)
+    # the heads as the decoder runs them (a bf16 copy on a bf16 base: left as they are); a
+    # compiled graph prepacks its own frozen weights
+    layout = "standard" if ev.compile else ev.weight_layout
+    meta["packed_rows"] = use_weight_layout(decoder.model, decoder.heads, layout=layout)
     return base, decoder, tree, meta
 
 
@@ -384,8 +387,8 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
         "backend": {
             "base_quant": ev.base_quant,
             "weight_layout": ev.weight_layout,
-            # per float32 weight shape, the row counts that take its transposed copy
-            "transposed_rows": meta["transposed_rows"],
+            # per float32 weight shape, the row counts that take its oneDNN-packed copy
+            "packed_rows": meta["packed_rows"],
             "compile": ev.compile,
             "batch_size": ev.batch_size,
             "compile_s": round(decoder.compile_s, 2),  # not in any decode time

@@ -12,11 +12,11 @@ from tests.helpers import make_heads
 from train.decoding import backend
 from train.decoding.backend import (
     BackendError,
-    DualLinear,
+    PackedLinear,
     forward,
     quantize_base,
-    use_dual_layout,
     use_gqa_attention,
+    use_weight_layout,
 )
 from train.decoding.cache import new_cache
 from train.decoding.decoder import Decoder
@@ -67,47 +67,83 @@ def test_quantized_base_decodes_its_own_greedy_tokens_with_heads_in_its_dtype(ti
     assert all(0 <= t < model.config.vocab_size for t in spec.tokens)
 
 
-def test_dual_layout_linear_computes_the_same_product_in_either_layout():
+def test_packed_linear_computes_the_same_product_with_either_weight():
     lin = torch.nn.Linear(48, 80)
-    dual = DualLinear(lin, frozenset(range(4, 13)))
-    assert dual.weight is lin.weight and dual.bias is lin.bias  # shared: ties stay tied
-    for rows, transposed in [(1, False), (4, True), (12, True), (16, False), (40, False)]:
-        x = torch.randn(rows, 48)
-        assert dual.take[min(rows, 32)] is transposed
-        assert torch.allclose(dual(x), lin(x), atol=1e-5)
+    take = (False,) + (False,) * 3 + (True,) * 9 + (False,) * 3 + (True,)  # 4-12, 16+
+    packed = PackedLinear(lin, take)
+    assert packed.weight is lin.weight and packed.bias is lin.bias  # shared: ties stay tied
+    calls = []
+    real = backend.packed_linear
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, "packed_linear", lambda *a: calls.append(1) or real(*a))
+        for rows, used in [(1, False), (4, True), (12, True), (14, False), (16, True), (40, True)]:
+            x = torch.randn(rows, 48)
+            n = len(calls)
+            assert torch.allclose(packed(x), lin(x), atol=1e-5)
+            assert (len(calls) > n) is used, rows
     x = torch.randn(2, 3, 48)  # (B, n, H): the rows are B * n = 6
-    assert torch.allclose(dual(x), lin(x), atol=1e-5)
+    assert torch.allclose(packed(x), lin(x), atol=1e-5)
+    twin = copy.deepcopy(packed)  # packs its own copy of the weight
+    assert twin.weight is not lin.weight and torch.equal(twin.weight, lin.weight)
+    assert torch.allclose(twin(x), lin(x), atol=1e-5)
+    cast = copy.deepcopy(packed).to(torch.bfloat16)  # the packed copy is stale: not used
+    assert torch.allclose(cast(x.bfloat16()).float(), lin(x), atol=0.1)
 
 
-def test_dual_layout_decodes_the_same_tokens_and_skips_what_it_cannot_help(tiny_base, monkeypatch):
-    """With the transposed copy taken at every verify size, greedy speculative decoding still
-    equals plain decoding, and both equal the standard layout's; bf16 weights are left alone."""
+def test_packed_layout_decodes_the_same_tokens_and_skips_what_it_cannot_help(tiny_base):
+    """With the packed copies taken at every row count, in the base and in the heads, greedy
+    speculative decoding still equals plain decoding, and both equal the standard layout's;
+    bf16 and int8 weights are left alone."""
     heads = make_heads(tiny_base.model, "hydra_pp", 4, 0.05)
     tree = Tree.from_paths(PRESETS["sparse_15"])
     ref = Decoder(tiny_base.model, set(), heads, tree)
     want = ref.plain([PROMPT], 24)[0].tokens
-    monkeypatch.setattr(backend, "transposed_rows", lambda w: frozenset(range(2, 33)))
-    model = copy.deepcopy(tiny_base.model)
-    chosen = use_dual_layout(model)
-    assert chosen and all(v == "2-32" for v in chosen.values())
-    assert isinstance(model.model.layers[0].mlp.down_proj, DualLinear)
-    assert isinstance(model.lm_head, DualLinear)
-    dec = Decoder(model, set(), heads, tree)
+    model, packed_heads = copy.deepcopy(tiny_base.model), copy.deepcopy(heads)
+    chosen = use_weight_layout(model, packed_heads, None, layout="packed")
+    assert chosen and all(v == "1+" for v in chosen.values())
+    assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
+    assert isinstance(model.lm_head, PackedLinear)
+    assert any(isinstance(m, PackedLinear) for m in packed_heads.modules())
+    dec = Decoder(model, set(), packed_heads, tree)
     assert dec.plain([PROMPT], 24)[0].tokens == want
     assert dec.speculative([PROMPT], 24)[0].tokens == want
-    assert use_dual_layout(copy.deepcopy(tiny_base.model), "standard") == {}
-    assert use_dual_layout(copy.deepcopy(tiny_base.model).to(torch.bfloat16)) == {}
+    assert use_weight_layout(copy.deepcopy(tiny_base.model), layout="standard") == {}
+    bf16 = copy.deepcopy(tiny_base.model).to(torch.bfloat16)
+    assert use_weight_layout(bf16, layout="packed") == {}
+    assert use_weight_layout(quantize_base(copy.deepcopy(tiny_base.model), "int8")) == {}
     with pytest.raises(BackendError, match="eval.weight_layout='nn' is invalid"):
-        use_dual_layout(model, "nn")
+        use_weight_layout(model, layout="nn")
 
 
-def test_transposed_rows_are_row_counts_the_machine_timed():
-    rows = backend.transposed_rows(torch.randn(64, 32))
-    assert rows <= frozenset(range(1, 33))
+def test_packed_rows_are_row_counts_the_machine_timed():
+    weights = [torch.randn(64, 32) for _ in range(3)]
+    take = backend.packed_rows(weights, [backend.pack(w) for w in weights])
+    assert len(take) == backend.PROBE_ROWS[-1] + 1 and take[0] is False
     # each count takes the choice timed at the next probed count: a span never splits one
-    for n in rows:
+    for n in range(1, len(take)):
         probe = next(p for p in backend.PROBE_ROWS if p >= n)
-        assert probe in rows
+        assert take[n] == take[probe]
+
+
+def test_auto_layout_packs_each_shape_where_its_timing_says(tiny_base, monkeypatch):
+    """layout=auto times each weight shape once, over every distinct weight of that shape
+    and packs exactly the layers of the shapes it favours."""
+    model = copy.deepcopy(tiny_base.model)
+    timed = {}
+    favoured = tuple(model.model.layers[0].mlp.down_proj.weight.shape)
+
+    def fake(weights, packed):
+        shape = tuple(weights[0].shape)
+        timed[shape] = len(weights)
+        return (False,) + (shape == favoured,) * backend.PROBE_ROWS[-1]
+
+    monkeypatch.setattr(backend, "packed_rows", fake)
+    chosen = use_weight_layout(model)
+    n_layers = model.config.num_hidden_layers
+    assert timed[favoured] == n_layers
+    assert chosen == {"x".join(map(str, favoured)): "1+"}
+    assert all(isinstance(layer.mlp.down_proj, PackedLinear) for layer in model.model.layers)
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
 
 
 def test_unknown_quantization_fails_clearly(tiny_base):

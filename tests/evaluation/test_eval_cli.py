@@ -143,16 +143,16 @@ def test_eval_dynamic_tree_on_a_quantized_base_reports_its_backend(tiny_heads, t
         "tree=dynamic",
         "tree.budget=10",
         f"eval.base_quant={quant}",
-        "eval.weight_layout=auto",
+        "eval.weight_layout=packed",
         "eval.num_prompts=2",
         "eval.max_new_tokens=12",
     )
     assert res["tree"]["kind"] == "dynamic" and res["tree"]["num_nodes"] == 10
     assert res["backend"]["base_quant"] == quant
-    assert res["backend"]["weight_layout"] == "auto"
-    assert isinstance(res["backend"]["transposed_rows"], dict)
-    if quant == "int8":  # no float32 linear layer left to give a transposed copy
-        assert res["backend"]["transposed_rows"] == {}
+    assert res["backend"]["weight_layout"] == "packed"
+    # the float32 layers (the base's unless int8, and the heads') hold packed copies
+    packed = res["backend"]["packed_rows"]
+    assert packed and all(v == "1+" for v in packed.values())
     assert res["lossless"] is (True if quant == "none" else None)
     assert 0.0 <= res["identical_to_plain"] <= 1.0
     assert not (tmp_path / "eval" / "tree.json").exists()  # no one tree to save

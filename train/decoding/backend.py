@@ -11,17 +11,17 @@
   plain decoding share the one quantized base, so "lossless" means identical to plain greedy
   decoding of that base. The heads run in the base's compute dtype (bf16 on a bf16 base,
   float32 on an int8 one).
-- Weight layout (`eval.weight_layout`): a float32 CPU matmul of a few rows (a verify pass of
-  4-15 tokens) is slow in the layout torch stores linear weights in, (out, in): on this
-  project's 2-core Xeon, SmolLM2's 576 -> 1536 projection of 8 rows took 3x its time at 1
-  row, while a 16-row one took less than the 8-row one. The same product with a transposed
-  copy of the weights, (in, out), grows smoothly with the rows. `use_dual_layout` times both
-  layouts per weight shape and row count on this machine and gives each linear layer the
-  transposed copy where it is faster, kept beside the original (one more copy of the weights
-  in memory). It is opt-in (`eval.weight_layout=auto`): on one thread it cut a 12-token verify
-  from 117 to 84 ms, but on two threads bench_decode.py's verify costs with and without it
-  were within their noise at 2-32 tokens. Both layouts compute the same product; a different
-  kernel may round its last bit differently, as a different batch size does.
+- Weight layout (`eval.weight_layout`): torch multiplies a float32 CPU linear layer with
+  MKL, whose products of a few rows (a plain step, a verify pass of 2-64 tokens) are slow on
+  some CPUs and erratic in the row count: on a 2-core AMD EPYC, SmolLM2's linears took 46 ms
+  for 1 row, 76 for 2 and 96 for 3 (MKL's own prepacked API: 42 and 59). `use_weight_layout`
+  gives each float32 linear layer a copy of its weight
+  prepacked once in oneDNN's blocked layout (`torch.ops.mkldnn`, the kernels inductor's
+  frozen graphs call): there the same linears took 27 ms for 1 row, 27 for 2, 37 for 8 and
+  51 for 16. With `auto` (the default) each weight shape is timed in both ways at 1-64 rows
+  at start-up and each row count takes the faster; `packed` takes the copy at every count.
+  The copy is one more set of the float32 weights in memory. Both compute the same product;
+  a different kernel may round its last bit differently, as a different batch size does.
 - Compile: `compile_body` compiles the base's body (inductor with frozen weights on CPU, CUDA
   graphs on CUDA); the decoder keeps one graph per verify size and capacity bucket.
 - `forward`: the base over new tokens at given positions, appending to a cache.
@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import time
@@ -42,10 +43,10 @@ from train.core.errors import UserError
 
 ATTENTION = "hydra_sdpa_gqa"
 BASE_QUANT = ("none", "bf16", "int8")
-WEIGHT_LAYOUT = ("auto", "standard")
-# rows timed per weight shape (a verify pass of up to 32 tokens); a count in between takes the
-# layout of the next one timed
-PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+WEIGHT_LAYOUT = ("auto", "standard", "packed")
+# rows timed per weight shape (a verify pass of up to 64 tokens); a count in between takes the
+# layout of the next one timed, a count past the last the last one's
+PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 class BackendError(UserError, ValueError):
@@ -121,25 +122,60 @@ def quantize_base(model: nn.Module, quant: str) -> nn.Module:
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
 
 
-class DualLinear(nn.Module):
-    """A float32 linear layer with its weight in both layouts: the original (out, in), and a
-    transposed (in, out) copy for the row counts in `rows` (a call past the largest timed
-    count, PROBE_ROWS[-1], takes the original: one 64-token verify took 188 ms with the copies
-    past 32 rows, 112 ms without)."""
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN can hold `weight` prepacked: a float32 CPU weight in a torch built with
+    oneDNN (every x86 and arm64 CPU build)."""
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+    )
 
-    def __init__(self, linear: nn.Linear, rows: frozenset[int]):
+
+class PackedLinear(nn.Module):
+    """A float32 CPU linear layer that also holds its weight prepacked in oneDNN's blocked
+    layout, and multiplies `take`'s row counts with it (oneDNN's matmul on the packed copy)
+    and the others with torch's own (MKL on the original). take[n] is the choice for n rows;
+    counts past the list take its last entry. The original weight and bias are the layer's
+    own tensors (tied weights stay tied); the packed copy (`packed`, or packed here) is an
+    opaque oneDNN tensor kept as a plain attribute, outside state_dict and `.to()` (a layer
+    cast to another dtype uses its original weight), and a deep copy packs the copied weight
+    anew."""
+
+    def __init__(
+        self, linear: nn.Linear, take: tuple[bool, ...], packed: torch.Tensor | None = None
+    ):
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias  # shared (tied weights stay tied)
-        self.register_buffer("weight_t", linear.weight.detach().t().contiguous(), persistent=False)
+        self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.take = [n in rows for n in range(PROBE_ROWS[-1] + 1)]
+        self.take = take
+        self.packed = pack(linear.weight) if packed is None else packed
+
+    def __deepcopy__(self, memo) -> PackedLinear:
+        lin = nn.Linear(self.in_features, self.out_features, self.bias is not None, "meta")
+        lin.weight = copy.deepcopy(self.weight, memo)
+        lin.bias = copy.deepcopy(self.bias, memo)
+        return PackedLinear(lin, self.take)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel() // self.in_features
-        if n >= len(self.take) or not self.take[n]:
-            return F.linear(x, self.weight, self.bias)
-        y = x @ self.weight_t
-        return y if self.bias is None else y + self.bias
+        if (
+            n
+            and x.dtype == self.weight.dtype == torch.float32
+            and self.take[min(n, len(self.take) - 1)]
+        ):
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (out, in) prepacked for oneDNN's matmul (no row-count hint: one copy for all)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None):
+    """x @ W.T + bias with W prepacked by `pack`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _best_of(fn, reps: int) -> float:
@@ -152,39 +188,50 @@ def _best_of(fn, reps: int) -> float:
     return best
 
 
-def transposed_rows(weight: torch.Tensor, margin: float = 0.9) -> frozenset[int]:
-    """The row counts (1..32) at which the transposed layout is faster than the original on
-    this machine (under `margin` of its time): each count takes the choice timed at the next
-    count of PROBE_ROWS."""
-    w, wt = weight.detach(), weight.detach().t().contiguous()
-    reps = 3 if w.numel() > 4_000_000 else 7  # an output projection: each call is ~10 ms
+def packed_rows(weights: list[torch.Tensor], packed: list[torch.Tensor]) -> tuple[bool, ...]:
+    """PackedLinear's `take` for weights of one shape on this machine: for each row count
+    0..PROBE_ROWS[-1], whether the packed copies multiply it faster than torch's own matmul
+    (each count takes the choice timed at the next count of PROBE_ROWS; counts past the last
+    take its choice). Each timing runs over all of `weights`, as a forward streams them from
+    memory: one weight timed alone stays in the CPU's cache, where MKL looked faster at 1 row
+    than it is in a model (on the 2-core EPYC, SmolLM2's 576 x 576 weight alone favoured MKL
+    at 1-2 rows; its 30 layers' linears took 46 ms with MKL, 27 packed)."""
+    reps = 2 if sum(w.numel() for w in weights) > 4_000_000 else 5  # a ~10 ms call: 2 reps
     faster = {}
     with torch.no_grad():
         for n in PROBE_ROWS:
-            x = torch.randn(n, w.shape[1], dtype=w.dtype)
-            standard = _best_of(lambda x=x: F.linear(x, w), reps)
-            faster[n] = _best_of(lambda x=x: x @ wt, reps) < margin * standard
-    return frozenset(
-        n for n in range(1, PROBE_ROWS[-1] + 1) if faster[next(p for p in PROBE_ROWS if p >= n)]
+            x = torch.randn(n, weights[0].shape[1], dtype=weights[0].dtype)
+            standard = _best_of(lambda x=x: [F.linear(x, w) for w in weights], reps)
+            onednn = _best_of(lambda x=x: [packed_linear(x, p) for p in packed], reps)
+            faster[n] = onednn < standard
+    return (False,) + tuple(
+        faster[next(p for p in PROBE_ROWS if p >= n)] for n in range(1, PROBE_ROWS[-1] + 1)
     )
 
 
-def _spans(rows: frozenset[int]) -> str:
-    """{1, 2, 3, 7, 8} -> '1-3,7-8'."""
+def _spans(take: tuple[bool, ...]) -> str:
+    """(False, True, True, False, True) -> '1-2,4+' (the last count stands for all above it)."""
+    rows = [n for n, t in enumerate(take) if t]
     out, run = [], []
-    for n in sorted(rows):
+    for n in rows:
         if run and n != run[-1] + 1:
             out.append(run)
             run = []
         run.append(n)
     out.append(run)
-    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out if r)
+    last = len(take) - 1
+    return ",".join(
+        f"{r[0]}+" if r[-1] == last else f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0])
+        for r in out
+        if r
+    )
 
 
-def use_dual_layout(model: nn.Module, layout: str = "auto") -> dict[str, str]:
-    """With layout=auto, give each float32 CPU linear layer of `model` the transposed copy of
-    its weight at the row counts where timing on this machine says it is faster (see the
-    module docstring). Returns {"<out>x<in>": those row counts, as spans like '4-12'} for the
+def use_weight_layout(*models: nn.Module | None, layout: str = "auto") -> dict[str, str]:
+    """Give the float32 CPU linear layers of `models` (a base, its heads) oneDNN-packed weights
+    (see the module docstring): at every row count with layout=packed, at the counts where
+    timing on this machine says the packed copy is faster with layout=auto (each weight shape
+    timed once). Returns {"<out>x<in>": those row counts as spans like '1-12' or '2+'} for the
     shapes that got one."""
     if layout not in WEIGHT_LAYOUT:
         raise BackendError(
@@ -194,21 +241,28 @@ def use_dual_layout(model: nn.Module, layout: str = "auto") -> dict[str, str]:
         return {}
     linears = [
         (parent, name, child)
+        for model in models
+        if model is not None
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
-        and child.weight.dtype == torch.float32
-        and child.weight.device.type == "cpu"
+        if type(child) is nn.Linear and can_pack(child.weight)
     ]
-    chosen: dict[tuple[int, int], frozenset[int]] = {}  # timed once per weight shape
+    by_shape: dict[tuple[int, int], dict[int, torch.Tensor]] = {}  # distinct weights per shape
+    for _, _, lin in linears:
+        by_shape.setdefault(tuple(lin.weight.shape), {})[id(lin.weight)] = lin.weight
+    packed = {key: pack(w) for group in by_shape.values() for key, w in group.items()}
+    every = (False,) + (True,) * PROBE_ROWS[-1]
+    chosen = {
+        shape: every
+        if layout == "packed"
+        else packed_rows(list(group.values()), [packed[k] for k in group])
+        for shape, group in by_shape.items()
+    }
     for parent, name, lin in linears:
-        shape = tuple(lin.weight.shape)
-        if shape not in chosen:
-            chosen[shape] = transposed_rows(lin.weight)
-        rows = chosen[shape]
-        if rows:
-            setattr(parent, name, DualLinear(lin, rows))
-    return {f"{o}x{i}": _spans(r) for (o, i), r in chosen.items() if r}
+        take = chosen[tuple(lin.weight.shape)]
+        if any(take):
+            setattr(parent, name, PackedLinear(lin, take, packed[id(lin.weight)]))
+    return {f"{o}x{i}": _spans(t) for (o, i), t in chosen.items() if any(t)}
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:
