@@ -115,6 +115,20 @@ def test_packed_layout_decodes_the_same_tokens_and_skips_what_it_cannot_help(tin
         use_weight_layout(model, layout="nn")
 
 
+def test_a_torch_that_cannot_pack_keeps_the_standard_layout(tiny_base, monkeypatch):
+    """auto falls back to torch's own matmul; packed, asked for explicitly, says why not."""
+
+    def refuse(weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: unsupported")
+
+    monkeypatch.setattr(backend, "pack", refuse)
+    model = copy.deepcopy(tiny_base.model)
+    assert use_weight_layout(model) == {}
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    with pytest.raises(BackendError, match="cannot prepack.*weight_layout=auto or standard"):
+        use_weight_layout(model, layout="packed")
+
+
 def test_packed_rows_are_row_counts_the_machine_timed():
     weights = [torch.randn(64, 32) for _ in range(3)]
     take = backend.packed_rows(weights, [backend.pack(w) for w in weights])

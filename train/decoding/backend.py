@@ -137,10 +137,10 @@ class PackedLinear(nn.Module):
     layout, and multiplies `take`'s row counts with it (oneDNN's matmul on the packed copy)
     and the others with torch's own (MKL on the original). take[n] is the choice for n rows;
     counts past the list take its last entry. The original weight and bias are the layer's
-    own tensors (tied weights stay tied); the packed copy (`packed`, or packed here) is an
+    own tensors (tied weights stay tied); the packed copy (given, or made here) is an
     opaque oneDNN tensor kept as a plain attribute, outside state_dict and `.to()` (a layer
-    cast to another dtype uses its original weight), and a deep copy packs the copied weight
-    anew."""
+    cast to another dtype or moved off the CPU, or one run under autocast, uses its original
+    weight), and a deep copy packs the copied weight anew."""
 
     def __init__(
         self, linear: nn.Linear, take: tuple[bool, ...], packed: torch.Tensor | None = None
@@ -161,8 +161,10 @@ class PackedLinear(nn.Module):
         n = x.numel() // self.in_features
         if (
             n
-            and x.dtype == self.weight.dtype == torch.float32
             and self.take[min(n, len(self.take) - 1)]
+            and x.dtype == self.weight.dtype == torch.float32
+            and x.device.type == "cpu"
+            and not torch.is_autocast_enabled("cpu")  # bf16-mixed training casts to bf16
         ):
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -250,7 +252,15 @@ def use_weight_layout(*models: nn.Module | None, layout: str = "auto") -> dict[s
     by_shape: dict[tuple[int, int], dict[int, torch.Tensor]] = {}  # distinct weights per shape
     for _, _, lin in linears:
         by_shape.setdefault(tuple(lin.weight.shape), {})[id(lin.weight)] = lin.weight
-    packed = {key: pack(w) for group in by_shape.values() for key, w in group.items()}
+    try:
+        packed = {key: pack(w) for group in by_shape.values() for key, w in group.items()}
+    except RuntimeError as e:  # a torch build whose oneDNN cannot reorder for this CPU
+        if layout == "packed":
+            raise BackendError(
+                f"eval.weight_layout=packed: this torch cannot prepack weights for oneDNN "
+                f"here ({e}); use eval.weight_layout=auto or standard"
+            ) from e
+        return {}
     every = (False,) + (True,) * PROBE_ROWS[-1]
     chosen = {
         shape: every
