@@ -126,6 +126,10 @@ class RegenConfig(ConfigModel):
     max_turns: Positive | None  # regenerate at most this many assistant turns per conversation
     max_prompt_tokens: Positive | None  # a longer prompt ends its conversation before that turn
     device: str  # auto = cuda when available, else cpu
+    # the local base's float32 CPU linears: oneDNN-prepacked weights at every row count
+    # (packed), where timed faster (auto, which may choose differently run to run), or never
+    # (standard); eval.weight_layout's choices (docs/eval.md)
+    weight_layout: Literal["packed", "standard", "auto"]
     # local: the base runs in this process | openai: an OpenAI-compatible chat-completions
     # server (vLLM, SGLang, TGI, llama.cpp) serving the same base
     backend: Literal["local", "openai"]

@@ -119,6 +119,7 @@ def test_every_group_option_composes_and_validates(group):
         ("data.val_fraction=1.5", "data.val_fraction", "[0, 1)"),
         ("data.long_conversations=chop", "data.long_conversations", "'split', 'truncate'"),
         ("regen.temperature=-1", "regen.temperature", ">= 0"),
+        ("regen.weight_layout=fast", "regen.weight_layout", "'packed', 'standard'"),
         ("base.dtype=fp8", "base.dtype", "'float32'"),
         ("num_proc=0", "num_proc", "positive"),
         ("data.roles={bot: robot}", "data.roles.bot", "system, user, assistant"),

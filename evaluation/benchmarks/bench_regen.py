@@ -9,7 +9,9 @@ so the long-prompt tail is in the sample). Greedy, one pass each, measured in on
 
   (a) model.generate at batch 1, KV cache on: the reference;
   (b) data_prep.regenerate.generate_replies: length-sorted batches, in-place KV cache,
-      finished rows leave the batch (what prep runs);
+      finished rows leave the batch, the base's linears as regen.weight_layout says (what
+      prep runs; oneDNN-packed weights by default), and (b') the same with torch's own
+      (standard) weights, to show what the packed copies buy;
   (c) model.generate on (b)'s batches: the same batching, but every row decodes until the
       batch's last row finishes, with transformers' concatenating cache (isolates the loop);
   (d) model.generate on batches of 8 in data order: regeneration before length batching.
@@ -23,6 +25,7 @@ OpenMP spin-waits that can slow every forward by 10x or more; the ratios hold ei
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import time
@@ -38,6 +41,7 @@ from data_prep.regenerate import generate_replies, plan_batches, turn_prompt  # 
 from train.core.base import load_base  # noqa: E402
 from train.core.config import compose, load  # noqa: E402
 from train.core.readers import SkipLog  # noqa: E402
+from train.decoding.backend import use_weight_layout  # noqa: E402
 from train.decoding.sampling import eos_ids  # noqa: E402
 
 OLD_BATCH_SIZE = 8  # regen.batch_size before length batching
@@ -119,6 +123,9 @@ def timed(name: str, fn, batches: int) -> Result:
 
 def run(base, prompts: list[list[int]], cfg: RegenConfig, with_batched_generate: bool):
     new = cfg.max_new_tokens
+    prep_base = copy.copy(base)  # the base as prep runs it: its own copy of the model
+    prep_base.model = copy.deepcopy(base.model)
+    use_weight_layout(prep_base.model, layout=cfg.weight_layout)
     plan = plan_batches([len(p) for p in prompts], new, cfg.batch_size, cfg.batch_tokens)
     results = [
         timed(
@@ -127,11 +134,19 @@ def run(base, prompts: list[list[int]], cfg: RegenConfig, with_batched_generate:
             len(prompts),
         ),
         timed(
-            "(b) regenerate.generate_replies",
-            lambda: generate_replies(base, prompts, cfg),
+            f"(b) regenerate.generate_replies, weight_layout={cfg.weight_layout}",
+            lambda: generate_replies(prep_base, prompts, cfg),
             len(plan),
         ),
     ]
+    if cfg.weight_layout != "standard":
+        results.append(
+            timed(
+                "(b') regenerate.generate_replies, weight_layout=standard",
+                lambda: generate_replies(base, prompts, cfg),
+                len(plan),
+            )
+        )
     if with_batched_generate:
         sorted_batches = [[prompts[i] for i in b] for b in plan]
         order = [i for b in plan for i in b]

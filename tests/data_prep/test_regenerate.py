@@ -265,3 +265,24 @@ def test_batched_greedy_equals_batch_1_generate(
     assert got == ref
     assert sum(rows for rows, _, _ in batches) == len(prompts)
     assert (len(batches) > 1) == (batch_size == 2)
+
+
+def test_packed_weights_regenerate_the_same_replies(lively_base):
+    """regen.weight_layout=packed (prep's default): the base's linears on oneDNN-packed
+    copies give the same greedy replies as torch's own weights."""
+    import copy
+
+    import torch
+
+    import data_prep.regenerate as regen_mod
+    from train.decoding.backend import PackedLinear, use_weight_layout
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 40, 7, 120)]
+    cfg = regen_config(max_new_tokens=16, temperature=0.0, batch_size=4, batch_tokens=100_000)
+    want = regen_mod.generate_replies(lively_base, prompts, cfg)
+    packed = copy.copy(lively_base)
+    packed.model = copy.deepcopy(lively_base.model)
+    assert use_weight_layout(packed.model, layout="packed")
+    assert any(isinstance(m, PackedLinear) for m in packed.model.modules())
+    assert regen_mod.generate_replies(packed, prompts, cfg) == want
