@@ -518,7 +518,9 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
                 from train.decoding.backend import use_weight_layout
 
                 base = load_base(cfg.base, device=_regen_device(cfg.regen.device))
-                use_weight_layout(base.model, layout=cfg.regen.weight_layout)
+                use_weight_layout(
+                    base.model, layout=cfg.regen.weight_layout, key="regen.weight_layout"
+                )
             rows = regenerate(rows, base, cfg.regen, partial / "regen", cfg.seed, skips)
         if not rows:
             raise PrepError(

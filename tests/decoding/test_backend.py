@@ -127,6 +127,8 @@ def test_a_torch_that_cannot_pack_keeps_the_standard_layout(tiny_base, monkeypat
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
     with pytest.raises(BackendError, match="cannot prepack.*weight_layout=auto or standard"):
         use_weight_layout(model, layout="packed")
+    with pytest.raises(BackendError, match="^regen.weight_layout=packed: .*use regen.weight"):
+        use_weight_layout(model, layout="packed", key="regen.weight_layout")
 
 
 def test_packed_rows_are_row_counts_the_machine_timed():

@@ -164,7 +164,7 @@ class PackedLinear(nn.Module):
             and self.take[min(n, len(self.take) - 1)]
             and x.dtype == self.weight.dtype == torch.float32
             and x.device.type == "cpu"
-            and not torch.is_autocast_enabled("cpu")  # bf16-mixed training casts to bf16
+            and not torch.is_autocast_enabled("cpu")  # autocast casts in torch's matmul
         ):
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -229,16 +229,16 @@ def _spans(take: tuple[bool, ...]) -> str:
     )
 
 
-def use_weight_layout(*models: nn.Module | None, layout: str = "auto") -> dict[str, str]:
+def use_weight_layout(
+    *models: nn.Module | None, layout: str = "auto", key: str = "eval.weight_layout"
+) -> dict[str, str]:
     """Give the float32 CPU linear layers of `models` (a base, its heads) oneDNN-packed weights
     (see the module docstring): at every row count with layout=packed, at the counts where
     timing on this machine says the packed copy is faster with layout=auto (each weight shape
     timed once). Returns {"<out>x<in>": those row counts as spans like '1-12' or '2+'} for the
-    shapes that got one."""
+    shapes that got one. `key`: the setting that chose `layout`, named in errors."""
     if layout not in WEIGHT_LAYOUT:
-        raise BackendError(
-            f"eval.weight_layout={layout!r} is invalid: choose one of {', '.join(WEIGHT_LAYOUT)}"
-        )
+        raise BackendError(f"{key}={layout!r} is invalid: choose one of {', '.join(WEIGHT_LAYOUT)}")
     if layout == "standard":
         return {}
     linears = [
@@ -257,8 +257,8 @@ def use_weight_layout(*models: nn.Module | None, layout: str = "auto") -> dict[s
     except RuntimeError as e:  # a torch build whose oneDNN cannot reorder for this CPU
         if layout == "packed":
             raise BackendError(
-                f"eval.weight_layout=packed: this torch cannot prepack weights for oneDNN "
-                f"here ({e}); use eval.weight_layout=auto or standard"
+                f"{key}=packed: this torch cannot prepack weights for oneDNN here ({e}); "
+                f"use {key}=auto or standard"
             ) from e
         return {}
     every = (False,) + (True,) * PROBE_ROWS[-1]
