@@ -19,6 +19,7 @@ import torch
 
 from evaluation.calibrate import calibrate, choose_tree
 from evaluation.config import EvalConfig, EvalSettings, TreeConfig
+from evaluation.stats import METHOD, intervals
 from evaluation.suites import suite_path, suite_prompts
 from train.core.atomic import write_json, write_text
 from train.core.base import BaseConfig, FrozenBase, load_base, recorded_base
@@ -326,6 +327,7 @@ def _record(item, turn, prompt, spec: Generation, plain: Generation | None, tok,
         "new_tokens": len(spec.tokens),
         "finish": spec.finish,
         "steps": spec.steps,
+        "accepted": sum(spec.accepted),  # draft tokens accepted over the steps
         "tau": round(spec.tau, 4),
         "spec_s": round(spec.total_s, 4),
     }
@@ -379,6 +381,8 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
     records, spec, plain, mismatches = decode_prompts(decoder, items, base.tokenizer, ev, skips)
     result = {
         **summarize(spec, plain, tree_info["depth"]),
+        **intervals(records),
+        "intervals": {"method": METHOD, "items": len({r["item"] for r in records})},
         "by_category": category_figures(records, spec, plain, tree_info["depth"]),
         "heads": str(Path(cfg.heads).expanduser().resolve()),
         "arch": decoder.heads.arch,
@@ -483,6 +487,8 @@ def category_figures(
             "spec_tokens_per_s": fig["spec_tokens_per_s"],
             "plain_tokens_per_s": fig.get("plain_tokens_per_s"),
             "speedup": fig.get("speedup"),
+            "items": len({records[i]["item"] for i in idx}),
+            **intervals([records[i] for i in idx]),
         }
     return figures
 

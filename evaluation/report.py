@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation.config import ReportConfig
+from evaluation.stats import intervals, with_ci
 from train.core.atomic import write_text
 from train.core.errors import UserError
 
@@ -193,6 +194,9 @@ def load_run(name: str, path: Path, train_hint: Path | None = None) -> dict[str,
         run["eval"] = {
             "dir": str(eval_dir),
             **{k: _finite(ev.get(k)) for k in ("tau", "speedup", "break_even_tau")},
+            # 95% intervals; an eval.json from before they existed gets them from its records
+            **(intervals(ev.get("records") or []) if "tau_ci95" not in ev else {}),
+            **{k: ev[k] for k in ("tau_ci95", "speedup_ci95") if k in ev},
             **{k: ev.get(k) for k in ("spec_tokens_per_s", "plain_tokens_per_s")},
             "acceptance_cumulative": ev.get("acceptance_cumulative") or [],
             "acceptance_conditional": ev.get("acceptance_conditional") or [],
@@ -256,6 +260,7 @@ def leaderboard(runs: list[dict], sort_by: str) -> list[dict]:
             "arch": r.get("arch"),
             "heads": r.get("num_heads"),
             **{k: r.get(k) for k in ("tau", "speedup", "tau_est", "tau_gap")},
+            **{k: r.get("eval", {}).get(k) for k in ("tau_ci95", "speedup_ci95")},
             "tree_nodes": r.get("eval", {}).get("tree_nodes"),
             "top1_h1": (r.get("train", {}).get("top1") or [None])[0],
             "val_loss": r.get("val_loss"),
@@ -428,14 +433,15 @@ def _slashed(series: list[list], i: int) -> str:
 def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of every table, shared by the markdown and the HTML."""
     runs = report["runs"]
-    header = ["#", "run", "arch", "K", "τ", "speedup", "τ est. (train)", "gap", "tree",
-              "top-1 h1", "val loss", "steps", "lossless"]  # fmt: skip
+    header = ["#", "run", "arch", "K", "τ [95% CI]", "speedup [95% CI]", "τ est. (train)",
+              "gap", "tree", "top-1 h1", "val loss", "steps", "lossless"]  # fmt: skip
     rows = [
         [
             str(r["rank"]),
             r["name"],
-            *(fmt(r[k]) for k in ("arch", "heads", "tau")),
-            fmt(r["speedup"], 2) + ("x" if r["speedup"] is not None else ""),
+            *(fmt(r[k]) for k in ("arch", "heads")),
+            with_ci(r["tau"], r["tau_ci95"]),
+            with_ci(r["speedup"], r["speedup_ci95"], ".2f", "x"),
             *(fmt(r[k]) for k in ("tau_est", "tau_gap", "tree_nodes", "top1_h1")),
             fmt(r["val_loss"], 2),
             *(fmt(r[k]) for k in ("steps", "lossless")),
@@ -462,9 +468,12 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows = []
         for r in runs:
             by = r.get("eval", {}).get("by_category") or {}
-            cell = lambda f: f"{fmt(f.get('tau'))} / {fmt(f.get('speedup'), 2)}"  # noqa: E731
+
+            def cell(f: dict) -> str:
+                return f"{with_ci(f.get('tau'), f.get('tau_ci95'))} / {fmt(f.get('speedup'), 2)}"
+
             rows.append([r["name"]] + [cell(by[c]) if c in by else "–" for c in cats])
-        out.append(("τ / speedup by prompt category", ["run", *cats], rows))
+        out.append(("τ [95% CI] / speedup by prompt category", ["run", *cats], rows))
     rows = []
     for r in runs:
         ev = r.get("eval", {})

@@ -13,6 +13,8 @@ def print_summary(res: dict[str, Any], out: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from evaluation.stats import with_ci
+
     t = Table(
         title=f"eval: {res['arch']} heads, tree of {res['tree']['num_nodes']} nodes",
         show_header=False,
@@ -26,7 +28,7 @@ def print_summary(res: dict[str, Any], out: str) -> None:
     t.add_row(
         "prompts / generations", f"{res['prompts']['items']} / {res['prompts']['generations']}"
     )
-    t.add_row("tau (tokens per base forward)", num(res["tau"], ".3f"))
+    t.add_row("tau (tokens per base forward)", with_ci(res["tau"], res.get("tau_ci95")))
     if "expected_tau" in res["tree"]:
         t.add_row("  expected from calibration", num(res["tree"]["expected_tau"], ".3f"))
     for d, (cum, cond) in enumerate(
@@ -39,7 +41,7 @@ def print_summary(res: dict[str, Any], out: str) -> None:
     t.add_row("speculative tokens/s", num(res["spec_tokens_per_s"], ".1f"))
     if "plain_tokens_per_s" in res:
         t.add_row("plain tokens/s", num(res["plain_tokens_per_s"], ".1f"))
-        t.add_row("speedup", num(res["speedup"], ".3f") + "x")
+        t.add_row("speedup", with_ci(res["speedup"], res.get("speedup_ci95"), unit="x"))
     ms = res["time_per_step_ms"]
     t.add_row(
         "per step: propose / verify / bookkeeping",
@@ -49,10 +51,14 @@ def print_summary(res: dict[str, Any], out: str) -> None:
     if len(by_category) > 1:  # a suite with categories (MT-Bench): tau / speedup per category
         for name, fig in by_category.items():
             t.add_row(f"  {name} ({fig['generations']}): tau / speedup",
-                      f"{num(fig['tau'], '.3f')} / {num(fig['speedup'], '.2f')}x")  # fmt: skip
+                      f"{with_ci(fig['tau'], fig.get('tau_ci95'))} / "
+                      f"{num(fig['speedup'], '.2f')}x")  # fmt: skip
     if res["lossless"] is not None:
         t.add_row("lossless (greedy == plain greedy)", "yes" if res["lossless"] else "NO")
     Console().print(t)
+    if res.get("tau_ci95"):
+        items = res["intervals"]["items"]
+        Console().print(f"[a, b]: 95% interval, bootstrap over the {items} items")
     Console().print(f"wrote {out}/eval.json and {out}/tree.json")
 
 

@@ -83,6 +83,14 @@ def test_eval_calibrated_tree_writes_figures_and_is_lossless(trained_heads, tmp_
     calib = res["tree"]["calibration"]
     assert len(calib["acc"]) == 4 and all(0 <= x <= 1 for row in calib["acc"] for x in row)
     assert "tau (tokens per base forward)" in r.stdout and "speedup" in r.stdout
+    # the 95% interval over the 3 items brackets the pooled tau of the records
+    recs = res["records"]
+    pooled = sum(x["accepted"] + x["steps"] for x in recs) / sum(x["steps"] for x in recs)
+    assert pooled == pytest.approx(res["tau"])
+    lo, hi = res["tau_ci95"]
+    assert lo <= res["tau"] <= hi and res["intervals"]["items"] == 3
+    assert res["speedup_ci95"][0] <= res["speedup"] <= res["speedup_ci95"][1]
+    assert "bootstrap over the 3 items" in r.stdout
     # the saved tree is reusable as is
     again = tmp_path / "again"
     _, res2 = _eval(

@@ -15,7 +15,7 @@ from tests.helpers import report_config, run, run_here
 
 def make_run(
     root: Path, name: str, *, tau: float, speedup: float, top1: list[float], lr: float,
-    arch: str = "hydra", with_train: bool = True,
+    arch: str = "hydra", with_train: bool = True, extra: dict | None = None,
 ) -> Path:  # fmt: skip
     """A run dir shaped like `make demo`'s: <name>/train and <name>/eval."""
     d = root / name
@@ -58,7 +58,7 @@ def make_run(
         "by_category": {"writing": {"tau": tau + 0.2, "speedup": speedup},
                         "coding": {"tau": tau - 0.2, "speedup": None}},
     }  # fmt: skip
-    (ev / "eval.json").write_text(json.dumps(res))
+    (ev / "eval.json").write_text(json.dumps(res | (extra or {})))
     (ev / "config.yaml").write_text(f"heads: {res['heads']}\ntree:\n  kind: calibrated\n")
     return d
 
@@ -67,7 +67,16 @@ def make_run(
 def two_runs(tmp_path) -> list[Path]:
     return [
         make_run(tmp_path, "slow", tau=1.4, speedup=1.3, top1=[0.3, 0.2], lr=1e-3),
-        make_run(tmp_path, "fast", tau=1.9, speedup=1.1, top1=[0.5, 0.4], lr=3e-3, arch="hydra_pp"),
+        make_run(
+            tmp_path,
+            "fast",
+            tau=1.9,
+            speedup=1.1,
+            top1=[0.5, 0.4],
+            lr=3e-3,
+            arch="hydra_pp",
+            extra={"tau_ci95": [1.8, 2.05], "speedup_ci95": [1.02, 1.2]},
+        ),
     ]
 
 
@@ -94,7 +103,8 @@ def test_report_figures_order_and_diff(two_runs, tmp_path):
     assert fast["train"]["curves"]["val/tau"] == [[0, 1.0], [3, 1.3]]
     assert fast["eval"]["break_even_tau"] == pytest.approx(1.9 / 1.1)  # drawn beside its tau
     md = (tmp_path / "r" / "report.md").read_text()
-    assert "| 1 | fast | hydra_pp | 2 | 1.900 | 1.10x | 1.500 | 0.400 |" in md
+    assert "| 1 | fast | hydra_pp | 2 | 1.900 [1.800, 2.050] | 1.10x [1.02, 1.20] | 1.500 |" in md
+    assert "| 2 | slow | hydra | 2 | 1.400 | 1.30x | " in md  # no interval in its eval.json
     assert "![loss_curves](loss_curves.png)" in md and "| optim.lr |" in md
     assert "| run | writing | coding |" in md and "| fast | 2.100 / 1.10 | 1.700 / – |" in md
     assert json.loads((tmp_path / "r" / "report.json").read_text())["leaderboard"] == lb
@@ -170,3 +180,16 @@ def test_names_noise_nan_and_missing_training(tmp_path):
     rep = build_report(report_config([str(b / "eval")], str(tmp_path / "s")))
     assert rep.data["runs"][0]["tau"] == 1.6 and "train" not in rep.data["runs"][0]
     assert "no training run found" in (tmp_path / "s" / "report.md").read_text()
+
+
+def test_an_eval_json_without_intervals_gets_them_from_its_records(tmp_path):
+    """eval.json files written before the intervals existed: the report bootstraps them from
+    the records (tau x steps, as those records carry no `accepted`)."""
+    recs = [{"item": f"q{i}", "steps": 20, "tau": 1.5 + 0.1 * i} for i in range(6)]
+    old = make_run(tmp_path, "old", tau=1.75, speedup=1.0, top1=[0.2, 0.1], lr=1e-3,
+                   with_train=False, extra={"records": recs})  # fmt: skip
+    rep = build_report(report_config([str(old / "eval")], str(tmp_path / "r")))
+    lo, hi = rep.data["runs"][0]["eval"]["tau_ci95"]
+    assert 1.5 < lo < 1.75 < hi < 2.0
+    assert rep.data["runs"][0]["eval"]["speedup_ci95"] is None  # no plain times recorded
+    assert "| 1 | old | hydra | 2 | 1.750 [" in (tmp_path / "r" / "report.md").read_text()

@@ -100,6 +100,7 @@ def test_hf_export_is_a_heads_checkpoint_with_a_model_card(tmp_path, tiny_base):
         "num_heads": 3,
         "tau": 2.4567,
         "speedup": 1.8321,
+        "tau_ci95": [2.31, 2.6],
         "acceptance_cumulative": [0.8, 0.5, 0.25],
         "acceptance_conditional": [0.8, 0.625, 0.5],
         "tree": {"kind": "calibrated", "num_nodes": 12, "depth": 3},
@@ -126,7 +127,8 @@ def test_hf_export_is_a_heads_checkpoint_with_a_model_card(tmp_path, tiny_base):
     assert (out / "heads.safetensors").read_bytes() == (hdir / "heads.safetensors").read_bytes()
     card = (out / "README.md").read_text()
     assert "base_model: HuggingFaceTB/SmolLM2-135M" in card
-    assert "| tau (tokens per base forward) | 2.457 |" in card and "1.832x" in card
+    assert "| tau (tokens per base forward) | 2.457 (95% CI 2.310-2.600) |" in card
+    assert "| speedup vs plain decoding | 1.832x |" in card  # no interval in this eval.json
     assert "| 3 | 0.250 | 0.500 |" in card and "12 nodes, depth 3" in card
     assert "40 most frequent" in card
     # our own eval's loader reads the directory as it is

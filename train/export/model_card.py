@@ -48,6 +48,12 @@ def _num(x: Any, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _ci(res: dict, key: str) -> str:
+    """ " (95% CI a-b)" from eval.json's `<key>_ci95`, or nothing (older files, one item)."""
+    ci = res.get(f"{key}_ci95")
+    return f" (95% CI {ci[0]:.3f}-{ci[1]:.3f})" if ci else ""
+
+
 # Over 80 lines: the card is one template of text, read top to bottom as it renders.
 def model_card(heads: HeadSet, meta: dict, base_id: str, res: dict | None) -> str:
     """README.md of an hf export: what the heads are, how to use them, how well they did."""
@@ -104,8 +110,9 @@ def model_card(heads: HeadSet, meta: dict, base_id: str, res: dict | None) -> st
         lines += [
             "| figure | value |",
             "|---|---|",
-            f"| tau (tokens per base forward) | {_num(res.get('tau'), '.3f')} |",
-            f"| speedup vs plain decoding | {_num(speedup, '.3f')}{'x' if speedup else ''} |",
+            f"| tau (tokens per base forward) | {_num(res.get('tau'), '.3f')}{_ci(res, 'tau')} |",
+            f"| speedup vs plain decoding | {_num(speedup, '.3f')}{'x' if speedup else ''}"
+            f"{_ci(res, 'speedup')} |",
             f"| tree | {tree.get('kind', '-')}: {tree.get('num_nodes', '-')} nodes, "
             f"depth {tree.get('depth', '-')} |",
             f"| prompts / generations | {prompts.get('items', '-')} / "
