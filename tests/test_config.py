@@ -139,6 +139,11 @@ def test_bad_values_name_the_key_and_what_is_allowed(override, key, fix):
         ("head.num_heads=0", "head.num_heads", "[1, 16]"),
         ("head.loss.temperature=0", "head.loss.temperature", "> 0"),
         ("head.loss.head_weighting=linear", "head.loss.head_weighting", "'constant'"),
+        ("head.loss.kind=wasserstein", "head.loss.kind", "'reverse_kl'"),
+        ("head.loss.kind=mix", "head.loss.mix", "{kl: 0.5, lk: 0.5}"),
+        ("head.loss.mix={kl: 1.0}", "head.loss.mix", "set it to null"),
+        ("head.loss.kind=mix|head.loss.mix={kl: 1.0, emd: 1.0}", "head.loss.mix", "'emd'"),
+        ("head.loss.kind=mix|head.loss.mix={kl: 0.0}", "head.loss.mix", "not all 0"),
         ("optim.lr=-1", "optim.lr", "> 0"),
         ("data.batch_size=0", "data.batch_size", "positive"),
         ("trainer.max_steps=-1", "trainer.max_steps", "positive integer"),
@@ -149,7 +154,8 @@ def test_bad_train_values_name_the_key(override, key, fix):
     from train.config import TrainConfig
 
     with pytest.raises(ConfigError) as e:
-        to_typed(compose("train", ["out=/tmp/x", "data.prepared=/tmp/p", override]), TrainConfig)
+        overrides = ["out=/tmp/x", "data.prepared=/tmp/p", *override.split("|")]
+        to_typed(compose("train", overrides), TrainConfig)
     msg = str(e.value)
     assert f"'{key}'" in msg and fix in msg, msg
 

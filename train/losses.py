@@ -1,21 +1,37 @@
-"""Head losses: cross-entropy on the true token + KL distillation from the frozen base, chunked.
+"""Head losses: cross-entropy on the true token + distillation from the frozen base, chunked.
 
-total = sum_k w_k * (lm_weight * CE(head_k, x_{t+k+1}) + distill_weight * T^2 * KL(p_T || q_T))
+total = sum_k w_k * (lm_weight * CE(head_k, x_{t+k+1}) + distill_weight * T^2 * D(p_T, q_T))
 
 over assistant positions only, where p is the base model's own distribution at position t+k
-(the one that predicts x_{t+k+1}) and q head k's at position t. Logits are never held for all
-heads or all positions at once: `fused_heads_loss` walks over chunks of teacher positions,
-computes the teacher's softmax at each position once, then every head's loss *and* gradient
-against it immediately (dL/dlogits has a closed form), and keeps only (N, H) and (V, H)
-gradients, so peak memory is a few chunk x vocab buffers instead of K x N x vocab.
+(the one that predicts x_{t+k+1}), q head k's at position t, both at temperature T, and D the
+distillation divergence, `head.loss.kind` or a weighted mix of kinds (`head.loss.mix`):
+
+  kl          forward KL(p || q) = sum p log(p / q): the paper's and zankner/Hydra's
+  reverse_kl  KL(q || p): mode-seeking, the head spends its mass where the base's is
+  jsd         Jensen-Shannon: (KL(p || m) + KL(q || m)) / 2, m = (p + q) / 2
+  tv          total variation: sum |p - q| / 2 = 1 - sum min(p, q)
+  lk          acceptance (an extra, after the LK losses of arXiv 2602.23881): -log alpha,
+              alpha = sum min(p, q), the chance that a token drawn from q is accepted against
+              p; greedy verification accepts the head's top token when it is the base's
+
+Logits are never held for all heads or all positions at once: `fused_heads_loss` walks over
+chunks of teacher positions, computes the teacher's softmax at each position once, then every
+head's loss *and* gradient against it immediately (dL/dlogits has a closed form for each kind:
+for a divergence D(q) with g = dD/dq, dD/du = q * (g - sum q g) at u = logits / T), and keeps
+only (N, H) and (V, H) gradients, so peak memory is a few chunk x vocab buffers instead of
+K x N x vocab.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 
+# The distillation divergences of `head.loss.kind` (see the module docstring).
+DISTILL_KINDS = ("kl", "reverse_kl", "jsd", "tv", "lk")
 METRIC_NAMES = ("top1", "top5", "top1_base", "top5_base")
 
 
@@ -25,7 +41,7 @@ class HeadLoss:
 
     loss: torch.Tensor
     ce: torch.Tensor  # mean CE over positions whose target is in the head's vocab
-    kl: torch.Tensor  # mean KL_T over all positions
+    distill: torch.Tensor  # mean distillation divergence (head.loss.kind) over all positions
     counts: torch.Tensor  # (4,) correct top1 / top5 vs the true token / vs the base's argmax
     n: int
 
@@ -48,6 +64,57 @@ class HeadInput:
     weight_k: float = 1.0
 
 
+def _divergence(
+    kind: str, p: torch.Tensor, log_p: torch.Tensor, q: torch.Tensor, log_q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kind's per-position value (n,) and its gradient dD/dq (n, V) up to a per-row
+    constant (which the softmax's Jacobian removes), for every kind but kl."""
+    if kind == "reverse_kl":
+        r = log_q - log_p
+        return (q * r).sum(-1), r
+    if kind == "jsd":
+        log_m = torch.logaddexp(log_p, log_q) - math.log(2.0)
+        value = 0.5 * ((p * (log_p - log_m)).sum(-1) + (q * (log_q - log_m)).sum(-1))
+        return value, 0.5 * (log_q - log_m)
+    if kind == "tv":
+        diff = q - p
+        return 0.5 * diff.abs().sum(-1), 0.5 * diff.sign()
+    if kind == "lk":
+        alpha = torch.minimum(p, q).sum(-1).clamp_min(1e-12)
+        # d alpha / dq: 1 where q < p, 0 where q > p, and 1/2 at a tie (float32 ties do occur
+        # over a 49k vocab), the subgradient autograd takes for min
+        return -alpha.log(), (p - q).sign_().add_(1.0).mul_(-0.5).div_(alpha[:, None])
+    raise ValueError(f"unknown distillation kind {kind!r}: one of {', '.join(DISTILL_KINDS)}")
+
+
+def _distill(
+    kinds: tuple[tuple[str, float], ...],
+    p: torch.Tensor,
+    log_p: torch.Tensor | None,
+    log_q: torch.Tensor,
+    neg_ent: torch.Tensor,
+    grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weighted mix of divergences per position (n,) and, if `grad`, its gradient with
+    respect to u = logits / T (n, V)."""
+    q = log_q.exp()
+    value = neg_ent.new_zeros(neg_ent.shape)
+    du = None
+    for kind, w in kinds:
+        if kind == "kl":  # sum p log p - sum p log q; dD/du = q - p
+            value += w * (neg_ent - (p * log_q).sum(-1))
+            g = (q - p).mul_(w) if grad else None
+        else:
+            v, gq = _divergence(kind, p, log_p, q, log_q)
+            value += w * v
+            g = None
+            if grad:
+                g = gq.sub_((q * gq).sum(-1, keepdim=True)).mul_(q).mul_(w)
+        if g is not None:
+            du = g if du is None else du.add_(g)
+    return value, du
+
+
 class _FusedHeadsLoss(torch.autograd.Function):
     """All heads' losses in one walk over teacher-row chunks: the teacher's logits, softmax and
     argmax at a position are computed once and shared by every head scored against it."""
@@ -57,8 +124,10 @@ class _FusedHeadsLoss(torch.autograd.Function):
     # logits outlive it (the memory bound); split, its state would have to be passed around.
     def forward(ctx, opts, teacher_state, teacher_weight, teacher_top1, *flat):
         # opts: (lm_weight, distill_weight, temperature, chunk, head weights, #CE and #KL
-        # positions per head); flat: (state, weight, bias, rows, target) per head
-        lm_w, kl_w, T, chunk, head_w, n_ce, n_kl = opts
+        # positions per head, distillation kinds); flat: (state, weight, bias, rows, target)
+        # per head
+        lm_w, kl_w, T, chunk, head_w, n_ce, n_kl, kinds = opts
+        pure_kl = kinds == (("kl", 1.0),)
         K = len(head_w)
         heads = [flat[5 * k : 5 * k + 5] for k in range(K)]
         need = [any(ctx.needs_input_grad[4 + 5 * k : 4 + 5 * k + 3]) for k in range(K)]
@@ -95,7 +164,9 @@ class _FusedHeadsLoss(torch.autograd.Function):
                     log_p = torch.log_softmax(t_logits, -1)
                     p = log_p.exp()
                     neg_ent = (p * log_p).sum(-1)  # sum_v p log p, once per position
-                    del log_p
+                    if pure_kl:
+                        del log_p
+                        log_p = None
                 del t_logits
             for k, (state, _, _, rows, target) in enumerate(heads):
                 lo, hi = bounds[k][i], bounds[k][i + 1]
@@ -113,10 +184,18 @@ class _FusedHeadsLoss(torch.autograd.Function):
                 if kl_w > 0:
                     log_q = torch.log_softmax(logits / T if T != 1.0 else logits, -1)
                     p_k = p if whole else p[sel]
-                    kl_sum[k] += neg_ent[sel].sum() - (p_k * log_q).sum()
-                    if need[k]:
-                        # d/dlogits of T^2 * KL(p || softmax(logits / T)) = T * (q - p)
-                        d = log_q.exp().sub_(p_k).mul_(head_w[k] * kl_w * T / n_kl[k])
+                    if pure_kl:  # the default: no buffer beyond q
+                        kl_sum[k] += neg_ent[sel].sum() - (p_k * log_q).sum()
+                        if need[k]:
+                            d = log_q.exp().sub_(p_k)
+                    else:
+                        lp_k = None if log_p is None else (log_p if whole else log_p[sel])
+                        value, d = _distill(kinds, p_k, lp_k, log_q, neg_ent[sel], need[k])
+                        kl_sum[k] += value.sum()
+                        del lp_k
+                    if d is not None:
+                        # d/dlogits of T^2 * D(p, softmax(logits / T)) = T * dD/du
+                        d.mul_(head_w[k] * kl_w * T / n_kl[k])
                     del p_k
                 if lm_w > 0:
                     valid = tgt >= 0
@@ -147,7 +226,7 @@ class _FusedHeadsLoss(torch.autograd.Function):
                         gb += d.sum(0)
                     del d
             if kl_w > 0:
-                del p, neg_ent
+                del p, neg_ent, log_p
         ce = ce_sum / torch.tensor([max(n, 1) for n in n_ce], dtype=torch.float32, device=dev)
         kl = kl_sum / torch.tensor([max(n, 1) for n in n_kl], dtype=torch.float32, device=dev)
         per_head = lm_w * ce + kl_w * T * T * kl  # (K,)
@@ -181,6 +260,18 @@ class _FusedHeadsLoss(torch.autograd.Function):
         return tuple(out)
 
 
+def _kinds(kinds: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
+    if kinds is None:
+        return (("kl", 1.0),)
+    bad = [k for k in kinds if k not in DISTILL_KINDS]
+    if bad or not kinds or any(w < 0 for w in kinds.values()) or sum(kinds.values()) <= 0:
+        raise ValueError(
+            f"distillation kinds {kinds}: a weight >= 0 (not all 0) for each of "
+            f"{', '.join(DISTILL_KINDS)}"
+        )
+    return tuple((k, float(w)) for k, w in kinds.items() if w > 0)
+
+
 def fused_heads_loss(
     heads: list[HeadInput],
     teacher_state: torch.Tensor,
@@ -190,6 +281,7 @@ def fused_heads_loss(
     distill_weight: float = 1.0,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    kinds: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, list[HeadLoss]]:
     """Total loss (with grad) and each head's figures, walking teacher rows chunk by chunk.
 
@@ -198,7 +290,7 @@ def fused_heads_loss(
     vocab); teacher_top1: (M,) the base's argmax as an index into V (-1 outside it), or None
     for the argmax of the teacher logits themselves. Each teacher row's logits, softmax and
     argmax are computed once per step, however many heads use that row. Peak memory is a few
-    chunk x V buffers.
+    chunk x V buffers. kinds: the distillation divergence, {kind: weight} (default {"kl": 1}).
     """
     K = len(heads)
     n_kl = [int(h.state.shape[0]) for h in heads]
@@ -211,6 +303,7 @@ def fused_heads_loss(
         [float(h.weight_k) for h in heads],
         n_ce,
         n_kl,
+        _kinds(kinds),
     )
     flat = []
     for h in heads:
@@ -219,7 +312,7 @@ def fused_heads_loss(
         opts, teacher_state, teacher_weight, teacher_top1, *flat
     )
     losses = [
-        HeadLoss(loss=per_head[k], ce=ce[k], kl=kl[k], counts=counts[k], n=n_kl[k])
+        HeadLoss(loss=per_head[k], ce=ce[k], distill=kl[k], counts=counts[k], n=n_kl[k])
         for k in range(K)
     ]
     return total, losses
@@ -237,6 +330,7 @@ def fused_head_loss(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     bias: torch.Tensor | None = None,
+    kinds: dict[str, float] | None = None,
 ) -> HeadLoss:
     """One head's loss over N positions: `fused_heads_loss` with one head, one teacher row each.
 
@@ -263,5 +357,6 @@ def fused_head_loss(
         distill_weight,
         temperature,
         chunk_size,
+        kinds,
     )
-    return HeadLoss(loss=total, ce=hl.ce, kl=hl.kl, counts=hl.counts, n=n)
+    return HeadLoss(loss=total, ce=hl.ce, distill=hl.distill, counts=hl.counts, n=n)

@@ -236,6 +236,7 @@ class HeadsModule(pl.LightningModule):
                 distill_weight=lc.distill_weight,
                 temperature=lc.temperature,
                 chunk_size=lc.chunk_size,
+                kinds=lc.distill_kinds(),
             )
             total = total + loss
             for k, hl in zip(ks, losses, strict=True):
@@ -244,7 +245,7 @@ class HeadsModule(pl.LightningModule):
                         "k": k,
                         "loss": hl.loss,
                         "ce": hl.ce,
-                        "kl": hl.kl,
+                        "distill": hl.distill,
                         "counts": hl.counts,
                         "n": hl.n,
                     }

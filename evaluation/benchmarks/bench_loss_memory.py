@@ -1,7 +1,7 @@
 """Compare peak memory and time of the chunked head loss with the naive all-logits reference.
 
 Usage: python evaluation/benchmarks/bench_loss_memory.py [--small] [--chunk-size 1024]
-       [--repeats 2] [--lm-weight 0 --distill-weight 1]
+       [--repeats 2] [--lm-weight 0 --distill-weight 1] [--kind kl|reverse_kl|jsd|tv|lk]
 
 The default (SmolLM2 sizes, K=4, V=49152, N=4*1024, H=576) takes about 4-5 minutes on 2 cores:
 one forward+backward costs ~70 s naive and ~45-55 s chunked there, mostly the four (N, H) x (H, V)
@@ -63,6 +63,7 @@ class Problem:
     lm_weight: float
     distill_weight: float
     temperature: float = 1.0
+    kind: str = "kl"  # the distillation divergence (head.loss.kind)
 
     @property
     def n(self) -> int:
@@ -138,6 +139,7 @@ def naive_total(x: Inputs, p: Problem) -> torch.Tensor:
         distill_weight=p.distill_weight,
         temperature=p.temperature,
         head_weights=p.head_weights,
+        kinds={p.kind: 1.0},
     )
 
 
@@ -158,6 +160,7 @@ def chunked_total(x: Inputs, p: Problem) -> torch.Tensor:
             distill_weight=p.distill_weight,
             temperature=p.temperature,
             chunk_size=p.chunk_size,
+            kinds={p.kind: 1.0},
         )
         terms.append(p.head_weights[k] * out.loss)
     return sum(terms)  # 0 + the first term is that term exactly
@@ -250,7 +253,7 @@ def measure_in_subprocess(variant: str, p: Problem, repeats: int) -> Measurement
     """Re-invoke this script for one variant; it prints its Measurement as the last stdout line."""
     script = os.path.abspath(__file__)
     cmd = [sys.executable, script, f"--variant={variant}", f"--repeats={repeats}"]
-    for name in (*DEFAULTS, "lm_weight", "distill_weight"):  # the problem, as this script's flags
+    for name in (*DEFAULTS, "lm_weight", "distill_weight", "kind"):  # the problem, as flags
         cmd.append(f"--{name.replace('_', '-')}={getattr(p, name)}")
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)  # stderr passes through
     if proc.returncode != 0:
@@ -327,7 +330,7 @@ def print_report(
     title = (
         f"head loss forward+backward: K={p.heads} heads, V={p.vocab:,}, N=B*T={p.batch}*{p.seq}"
         f"={p.n:,}, H={p.hidden}, chunk {p.chunk_size}, lm_weight={p.lm_weight:g}, "
-        f"distill_weight={p.distill_weight:g}, T={p.temperature:g}; "
+        f"distill_weight={p.distill_weight:g} ({p.kind}), T={p.temperature:g}; "
         f"{os.cpu_count()} CPUs, best of {repeats} after a reduced-size warm-up"
     )
     table = Table(title=title)
@@ -414,6 +417,12 @@ def main(argv: list[str] | None = None) -> None:
         "--distill-weight", type=float, default=1.0, help="KL weight (1, the Hydra++ recipe)"
     )
     parser.add_argument(
+        "--kind",
+        default="kl",
+        choices=("kl", "reverse_kl", "jsd", "tv", "lk"),
+        help="distillation divergence, head.loss.kind (kl)",
+    )
+    parser.add_argument(
         "--small",
         action="store_true",
         help="quick run: " + ", ".join(f"{k}={v}" for k, v in SMALL.items()),
@@ -426,7 +435,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("sizes, --chunk-size and --repeats must be positive integers")
     if args.lm_weight < 0 or args.distill_weight < 0 or args.lm_weight + args.distill_weight == 0:
         parser.error("--lm-weight and --distill-weight must be >= 0 and not both 0")
-    p = Problem(**sizes, lm_weight=args.lm_weight, distill_weight=args.distill_weight)
+    p = Problem(
+        **sizes, lm_weight=args.lm_weight, distill_weight=args.distill_weight, kind=args.kind
+    )
 
     if args.variant:
         print(json.dumps(asdict(run_variant(args.variant, p, args.repeats))))
@@ -438,7 +449,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"running {variant} in a subprocess ...", file=sys.stderr, flush=True)
         results[variant] = measure_in_subprocess(variant, p, args.repeats)
     # After the subprocesses: the parent's high-water mark would leak into their ru_maxrss.
-    small = Problem(heads=p.heads, **CHECK, lm_weight=p.lm_weight, distill_weight=p.distill_weight)
+    small = Problem(
+        heads=p.heads, **CHECK, lm_weight=p.lm_weight, distill_weight=p.distill_weight, kind=p.kind
+    )
     check = check_equal(small)
     print_report(results, p, check, args.repeats, [load_before, os.getloadavg()[0]])
 

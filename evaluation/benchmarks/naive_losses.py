@@ -8,6 +8,26 @@ import torch
 import torch.nn.functional as F
 
 
+def divergence(kind: str, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of each distillation kind, written from its definition (autograd
+    gives the gradient the fused loss computes in closed form)."""
+    p, q = log_p.exp(), log_q.exp()
+    if kind == "kl":
+        per = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+    elif kind == "reverse_kl":
+        per = (q * (log_q - log_p)).sum(-1)
+    elif kind == "jsd":
+        m = (p + q) / 2
+        per = 0.5 * ((p * (p / m).log()).sum(-1) + (q * (q / m).log()).sum(-1))
+    elif kind == "tv":
+        per = 0.5 * (p - q).abs().sum(-1)
+    elif kind == "lk":
+        per = -torch.minimum(p, q).sum(-1).log()
+    else:
+        raise ValueError(kind)
+    return per.mean()
+
+
 def naive_head_losses(
     states: list[torch.Tensor],
     weights: list[torch.Tensor],
@@ -18,6 +38,7 @@ def naive_head_losses(
     distill_weight: float,
     temperature: float,
     head_weights: list[float],
+    kinds: dict[str, float] | None = None,
 ) -> torch.Tensor:
     """Reference: the same total loss with every head's full logits materialised at once.
 
@@ -40,7 +61,9 @@ def naive_head_losses(
                     teacher_states[k].float() @ teacher_weight.float().T / T, -1
                 )
             log_q = torch.log_softmax(logits[k] / T, -1)
-            kl = F.kl_div(log_q, log_p, log_target=True, reduction="sum") / logits.shape[1]
-            term = term + distill_weight * T * T * kl
+            div = sum(
+                w * divergence(kind, log_p, log_q) for kind, w in (kinds or {"kl": 1}).items()
+            )
+            term = term + distill_weight * T * T * div
         total = total + head_weights[k] * term
     return total

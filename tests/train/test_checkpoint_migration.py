@@ -58,7 +58,7 @@ def _edit_meta(d: Path, edit) -> None:
 def test_a_saved_checkpoint_records_every_head_and_base_key(tmp_path, tiny_base):
     d = _saved(tmp_path, tiny_base, "hydra_pp")
     meta = json.loads((d / CONFIG_FILE).read_text())
-    assert meta["format"] == FORMAT == "hydra-heads/2"
+    assert meta["format"] == FORMAT == "hydra-heads/3"
     assert set(meta["head"]) == set(HeadConfig.model_fields)
     assert set(meta["head"]["loss"]) == set(LossConfig.model_fields)
     cfg = meta["base"]["config"]
@@ -123,16 +123,36 @@ def test_migrate_fills_each_arch_with_its_v1_values_and_leaves_its_input_alone()
         cfg = HeadConfig(**meta["head"])
         assert (cfg.num_heads, cfg.num_layers, cfg.loss.head_weighting) == (3, layers, weighting)
         assert (cfg.loss.lm_weight, cfg.loss.distill_weight) == (lm, distill)
+        assert (cfg.loss.kind, cfg.loss.mix) == ("kl", None)  # through format 2 to 3
     assert migrate({"format": FORMAT, "x": 1}) == {"format": FORMAT, "x": 1}
+
+
+def test_v2_checkpoint_gets_forward_kl_and_loads(tmp_path, tiny_base):
+    """Format 2 predates head.loss.kind: its heads were distilled with forward KL."""
+    loss = {**head_config("hydra_pp").loss.model_dump(), "kind": "lk"}
+    d = _saved(tmp_path, tiny_base, "hydra_pp", loss=loss)
+
+    def to_v2(meta):
+        meta["format"] = "hydra-heads/2"
+        del meta["head"]["loss"]["kind"], meta["head"]["loss"]["mix"]
+
+    original, _ = load_heads(d, tiny_base.fingerprint())
+    assert original.cfg.loss.kind == "lk"
+    _edit_meta(d, to_v2)
+    loaded, meta = load_heads(d, tiny_base.fingerprint())
+    assert meta["format"] == FORMAT and loaded.cfg.loss.kind == "kl"
+    x, e = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
+    for a, b in zip(original(x, e), loaded(x, e), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_future_format_names_the_file_the_format_and_the_fix(tmp_path, tiny_base):
     d = _saved(tmp_path, tiny_base)
-    _edit_meta(d, lambda m: m.update(format="hydra-heads/3"))
+    _edit_meta(d, lambda m: m.update(format="hydra-heads/4"))
     with pytest.raises(FormatTooNewError) as e:
         load_heads(d)
     msg = str(e.value)
-    assert str(d / CONFIG_FILE) in msg and "'hydra-heads/3'" in msg and "upgrade hydra-heads" in msg
+    assert str(d / CONFIG_FILE) in msg and "'hydra-heads/4'" in msg and "upgrade hydra-heads" in msg
     _edit_meta(d, lambda m: m.update(format="other-tool/1"))
     with pytest.raises(CheckpointError, match="not a hydra-heads heads checkpoint"):
         load_heads(d)

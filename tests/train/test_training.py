@@ -352,3 +352,21 @@ def test_progress_bar_shows_steps_not_a_negative_epoch_total(tiny_prepared, tmp_
     # Off where the trainer turns progress bars off, as before (no error, no bar).
     off = _cfg(tiny_prepared, tmp_path / "off", "trainer.max_steps=1", "final_validation=false")
     fit(off, lambda **kw: make_trainer(off, **{**kw, "enable_progress_bar": False}))
+
+
+@pytest.mark.parametrize(
+    "kind", ["reverse_kl", "jsd", "tv", "lk", "mix"]
+)  # kl: test_every_head_learns_and_the_base_stays_frozen
+def test_every_distillation_kind_trains_from_config(tiny_prepared, tmp_path, kind):
+    """head.loss.kind (and a mix) as a user sets it: the loss falls and the checkpoint's config
+    records the kind."""
+    extra = ["head.loss.mix={kl: 0.5, lk: 0.5}"] if kind == "mix" else []
+    cfg = _cfg(tiny_prepared, tmp_path, "head=hydra_pp", "head.num_heads=2",
+               f"head.loss.kind={kind}", *extra)  # fmt: skip
+    assert cfg.head.loss.distill_kinds() == ({"kl": 0.5, "lk": 0.5} if kind == "mix" else {kind: 1})
+    module, dm, *_ = build_module(cfg)
+    log = LossLog()
+    _fit(module, dm, 25, [log(module)])
+    first, last = sum(log.losses[:5]) / 5, sum(log.losses[-5:]) / 5
+    assert last < 0.9 * first, log.losses
+    assert module.heads.cfg.loss.kind == kind

@@ -24,7 +24,7 @@ from train.core.errors import NotFound, UserError
 HEADS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads_config.json"
 FORMAT_NAME = "hydra-heads"
-VERSION = 2
+VERSION = 3
 FORMAT = f"{FORMAT_NAME}/{VERSION}"
 
 # Top-level keys of heads_config.json that rebuilding the heads reads, and their JSON types.
@@ -119,8 +119,22 @@ def _v1_to_v2(meta: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+# Format 3 added the distillation divergence (head.loss.kind, head.loss.mix); every earlier
+# checkpoint was trained with forward KL.
+V2_LOSS = {"kind": "kl", "mix": None}
+
+
+def _v2_to_v3(meta: dict[str, Any]) -> dict[str, Any]:
+    """Format 2 -> 3: the loss's distillation kind, forward KL for every format-2 file."""
+    head = meta.get("head")
+    if isinstance(head, dict) and isinstance(head.get("loss"), dict):  # else: check_keys
+        head["loss"] = {**V2_LOSS, **head["loss"]}
+    meta["format"] = f"{FORMAT_NAME}/3"
+    return meta
+
+
 # MIGRATIONS[v] turns a format-v meta into a format-(v+1) one.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2, 2: _v2_to_v3}
 
 
 def format_version(meta: dict[str, Any], where: str | Path = "heads_config.json") -> int:

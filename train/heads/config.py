@@ -9,11 +9,18 @@ from pydantic import model_validator
 from train.core.config import ConfigModel, NonNegative, Positive, check, fail
 
 
+KINDS = ("kl", "reverse_kl", "jsd", "tv", "lk")  # train.losses.DISTILL_KINDS
+
+
 class LossConfig(ConfigModel):
     """How head outputs are scored (`head.loss`)."""
 
     lm_weight: Annotated[float, check(lambda v: v >= 0, "a weight >= 0")]  # CE on the data
-    distill_weight: Annotated[float, check(lambda v: v >= 0, "a weight >= 0")]  # KL to the base
+    distill_weight: Annotated[float, check(lambda v: v >= 0, "a weight >= 0")]  # to the base
+    # The distillation divergence (train/losses.py): kl (the paper's), reverse_kl, jsd, tv, lk
+    # (acceptance: -log sum min(p, q)), or mix: the weighted sum of `mix`, {kind: weight}.
+    kind: Literal["kl", "reverse_kl", "jsd", "tv", "lk", "mix"]
+    mix: dict[str, float] | None
     temperature: Annotated[float, check(lambda v: v > 0, "a number > 0")]
     head_weighting: Literal["constant", "geometric"]
     head_decay: Annotated[float, check(lambda v: 0 < v <= 1, "a number in (0, 1]")]
@@ -23,7 +30,22 @@ class LossConfig(ConfigModel):
     def _some_loss(self) -> LossConfig:
         if self.lm_weight == 0 and self.distill_weight == 0:
             fail("distill_weight", 0, "lm_weight and distill_weight cannot both be 0")
+        if self.kind == "mix":
+            kinds = ", ".join(k for k in KINDS)
+            if not self.mix:
+                fail("mix", self.mix, f"kind=mix needs weights, e.g. {{kl: 0.5, lk: 0.5}} ({kinds})")
+            bad = [k for k in self.mix if k not in KINDS]
+            if bad:
+                fail("mix", self.mix, f"unknown kind {bad[0]!r}: the kinds are {kinds}")
+            if any(w < 0 for w in self.mix.values()) or sum(self.mix.values()) <= 0:
+                fail("mix", self.mix, "weights >= 0, not all 0")
+        elif self.mix is not None:
+            fail("mix", self.mix, f"mix is for kind=mix (kind is {self.kind}); set it to null")
         return self
+
+    def distill_kinds(self) -> dict[str, float]:
+        """The distillation divergence as {kind: weight}."""
+        return dict(self.mix) if self.kind == "mix" else {self.kind: 1.0}
 
     def head_weights(self, k: int) -> list[float]:
         """w_1..w_k: all 1 (constant), or head_decay**(k-1) (geometric, Medusa-1)."""
