@@ -19,6 +19,7 @@ from evaluation.stats import intervals, with_ci
 from train.core.atomic import write_text
 from train.core.errors import UserError
 
+TRAIN_WINDOW = 50  # logged steps averaged into a head's train top-1 (one batch is noisy)
 PLOTS = {
     "tau_by_run": "τ per run: measured in decoding vs the training-time estimate",
     "acceptance_by_depth": "Acceptance by depth (cumulative: share of steps that accept depth d)",
@@ -28,6 +29,8 @@ PLOTS = {
     "where its τ is above it)",
     "loss_curves": "Training loss",
     "tau_curves": "τ over training: held-out prompts decoded by the verifier (val/tau)",
+    "top1_curves": "Overfitting: each head's top-1 accuracy on its training batches (solid, "
+    f"mean of the last {TRAIN_WINDOW} steps) against validation (dashed, dots), beside val/tau",
     "accepted_histogram": "Accepted draft tokens per step",
 }
 # Keys that differ between any two runs by construction: not worth a row in the config diff.
@@ -76,6 +79,7 @@ def _read_curves(train_dir: Path) -> dict[str, list[list[float]]]:
     curves: dict[str, dict[int, float]] = {
         k: {} for k in ("train/loss", "val/loss", "val/tau_est", "val/tau")
     }
+    per_head = re.compile(r"(train|val)/top1_h\d+")  # train against validation, per head
     files = sorted(
         (train_dir / "logs").glob("version_*/metrics.csv"),
         key=lambda p: int(p.parent.name.split("_")[-1]) if p.parent.name[8:].isdigit() else 0,
@@ -87,11 +91,37 @@ def _read_curves(train_dir: Path) -> dict[str, list[list[float]]]:
                     step = int(float(row.get("step") or "nan"))
                 except ValueError:
                     continue
-                for key, series in curves.items():
-                    v = row.get(key)
-                    if v not in (None, ""):
-                        series[step] = float(v)
+                for key, v in row.items():
+                    if v not in (None, "") and (key in curves or per_head.fullmatch(key or "")):
+                        curves.setdefault(key, {})[step] = float(v)
     return {k: [[s, v] for s, v in sorted(d.items())] for k, d in curves.items() if d}
+
+
+def _err(values: list[float], cis: list[list[float] | None]) -> list[list[float]]:
+    """matplotlib's asymmetric error bars (2, n) from 95% intervals (0 where none)."""
+    lows = [v - ci[0] if ci else 0.0 for v, ci in zip(values, cis, strict=True)]
+    highs = [ci[1] - v if ci else 0.0 for v, ci in zip(values, cis, strict=True)]
+    return [lows, highs]
+
+
+def _trailing_mean(points: list[list[float]], window: int = TRAIN_WINDOW) -> list[list[float]]:
+    """(step, mean of the last `window` values up to it) for each point."""
+    out, acc = [], []
+    for step, v in points:
+        acc.append(v)
+        if len(acc) > window:
+            acc.pop(0)
+        out.append([step, sum(acc) / len(acc)])
+    return out
+
+
+def _train_top1(curves: dict[str, list[list[float]]]) -> list[float]:
+    """Each head's train top-1 over the last TRAIN_WINDOW logged steps."""
+    out, k = [], 1
+    while curves.get(f"train/top1_h{k}"):
+        out.append(_trailing_mean(curves[f"train/top1_h{k}"])[-1][1])
+        k += 1
+    return out
 
 
 def _per_head(val: dict, metric: str) -> list[float]:
@@ -178,7 +208,8 @@ def load_run(name: str, path: Path, train_hint: Path | None = None) -> dict[str,
             "val_loss": _finite(val.get("val/loss")),
             "tau_est": _finite(val.get("val/tau_est")),
             **{m: _per_head(val, m) for m in ("top1", "top5", "top1_base", "top5_base")},
-            "curves": _read_curves(train_dir),
+            "curves": (curves := _read_curves(train_dir)),
+            "train_top1": _train_top1(curves),
             "wandb_run": summary.get("wandb_run"),
         }
         if meta:
@@ -310,7 +341,9 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
         y = list(range(len(taus)))
         meas = [r.get("tau") or 0.0 for r in taus]
         est = [r.get("tau_est") or 0.0 for r in taus]
-        ax.barh([i + 0.2 for i in y], meas, 0.4, label="measured τ (eval)")
+        ax.barh([i + 0.2 for i in y], meas, 0.4, label="measured τ (eval, 95% CI)",
+                xerr=_err(meas, [r.get("eval", {}).get("tau_ci95") for r in taus]),
+                capsize=3)  # fmt: skip
         ax.barh([i - 0.2 for i in y], est, 0.4, label="τ estimate (training)")
         ax.set_yticks(y, [r["name"] for r in taus])
         ax.invert_yaxis()
@@ -352,7 +385,9 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
         for i, r in enumerate(with_cats):
             by = r["eval"]["by_category"]
             taus = [(by.get(c) or {}).get("tau") or math.nan for c in cats]
-            ax.bar([j + i * width for j in range(len(cats))], taus, width, label=r["name"])
+            cis = [(by.get(c) or {}).get("tau_ci95") for c in cats]
+            ax.bar([j + i * width for j in range(len(cats))], taus, width, label=r["name"],
+                   yerr=_err(taus, cis), capsize=3)  # fmt: skip
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=30)
         ax.set(ylabel="τ (tokens per base forward)")
         save(fig, ax, "tau_by_category", grid="y")
@@ -382,6 +417,29 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
                 )  # fmt: skip
         ax.set(xlabel="optimizer step", ylabel="τ (val/tau: decoded; dotted: estimate)")
         save(fig, ax, "tau_curves")
+    top1 = [r for r in runs if (r.get("train", {}).get("curves") or {}).get("train/top1_h1")]
+    if top1:
+        fig, (ax, ax_tau) = plt.subplots(1, 2, figsize=(11, 3.8))
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for r in top1:
+            c, tag = r["train"]["curves"], f"{r['name']} " if len(top1) > 1 else ""
+            k = 1
+            while c.get(f"train/top1_h{k}"):
+                color = colors[(k - 1) % len(colors)]
+                ax.plot(*zip(*_trailing_mean(c[f"train/top1_h{k}"]), strict=True), color=color,
+                        label=f"{tag}h{k} train")  # fmt: skip
+                if c.get(f"val/top1_h{k}"):
+                    ax.plot(*zip(*c[f"val/top1_h{k}"], strict=True), color=color, ls="--",
+                            marker="o", label=f"{tag}h{k} val")  # fmt: skip
+                k += 1
+            if c.get("val/tau"):
+                ax_tau.plot(*zip(*c["val/tau"], strict=True), marker="o", label=r["name"])
+        ax.set(xlabel="optimizer step", ylabel="top-1 accuracy vs the data")
+        ax_tau.set(xlabel="optimizer step", ylabel="val/tau")
+        ax_tau.grid(alpha=0.3)
+        if ax_tau.lines:
+            ax_tau.legend(fontsize=8)
+        save(fig, ax, "top1_curves", ncol=2)
     hists = [r for r in runs if r.get("eval", {}).get("accepted_histogram")]
     if hists:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
@@ -453,8 +511,9 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     for title, label, part, keys in (
         ("Acceptance by depth (cumulative / conditional)", "depth", "eval",
          ("acceptance_cumulative", "acceptance_conditional")),
-        ("Per-head validation accuracy (top-1 / top-5 vs data; top-1 vs base)", "head", "train",
-         ("top1", "top5", "top1_base")),
+        ("Per-head accuracy (validation top-1 / top-5 vs data; top-1 vs base; train top-1, "
+         f"last {TRAIN_WINDOW} steps)", "head", "train",
+         ("top1", "top5", "top1_base", "train_top1")),
     ):  # fmt: skip
         n = max((len(r.get(part, {}).get(keys[0], [])) for r in runs), default=0)
         if n:

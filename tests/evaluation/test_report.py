@@ -36,8 +36,9 @@ def make_run(
         )
         logs = tr / "logs" / "version_0"
         logs.mkdir(parents=True)
-        rows = ["epoch,step,train/loss,val/loss,val/tau"]
-        rows += [f"0,{s},{20 - s},{'' if s % 3 else 15 - s},{'' if s % 3 else 1 + s / 10}"
+        rows = ["epoch,step,train/loss,val/loss,val/tau,train/top1_h1,train/top1_h2,val/top1_h1"]
+        rows += [f"0,{s},{20 - s},{'' if s % 3 else 15 - s},{'' if s % 3 else 1 + s / 10},"
+                 f"{0.1 * s},{0.05 * s},{'' if s % 3 else 0.04 * s}"
                  for s in range(6)]  # fmt: skip
         (logs / "metrics.csv").write_text("\n".join(rows) + "\n")
     ev = d / "eval"
@@ -99,7 +100,10 @@ def test_report_figures_order_and_diff(two_runs, tmp_path):
     names = {f.name for f in rep.files}
     assert {"report.json", "report.md", "report.html", "acceptance_by_depth.png"} <= names
     assert {"tau_vs_tree_size.png", "loss_curves.png", "accepted_histogram.png"} <= names
-    assert {"tau_by_run.png", "tau_by_category.png", "tau_curves.png"} <= names
+    assert {"tau_by_run.png", "tau_by_category.png", "tau_curves.png", "top1_curves.png"} <= names
+    # train top-1: the mean over the (at most 50) logged steps; validation's series beside it
+    assert fast["train"]["train_top1"] == pytest.approx([0.25, 0.125])
+    assert fast["train"]["curves"]["val/top1_h1"] == [[0, 0.0], [3, pytest.approx(0.12)]]
     assert fast["train"]["curves"]["val/tau"] == [[0, 1.0], [3, 1.3]]
     assert fast["eval"]["break_even_tau"] == pytest.approx(1.9 / 1.1)  # drawn beside its tau
     md = (tmp_path / "r" / "report.md").read_text()
@@ -153,8 +157,8 @@ def test_report_html_renders_in_a_browser(two_runs, tmp_path):
     page = check_page(tmp_path / "r" / "report.html", screenshot=shot)
     assert page.errors == []
     assert page.external_requests == []  # self-contained: opens offline
-    assert page.images_total == len(rep.data["plots"]) == 7
-    assert page.images_rendered == 7, page.broken_images
+    assert page.images_total == len(rep.data["plots"]) == 8
+    assert page.images_rendered == 8, page.broken_images
     assert page.title == "hydra-heads acceptance report"
     assert shot.stat().st_size > 20_000
 
