@@ -222,3 +222,20 @@ def conversation_key(messages: list[dict[str, str]]) -> str:
     """Stable hash of a conversation's content: the dedup key and the split key."""
     blob = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def pack_extras(msgs: list[dict]) -> str:
+    """Each turn's fields beyond role and content (tool calls, tool_call_id, reasoning) as one
+    JSON list, or "" for a plain chat (most rows: nothing to store or parse). A conversation row
+    keeps roles, contents and this string (Arrow columns of one type)."""
+    extra = [{k: v for k, v in m.items() if k not in ("role", "content")} for m in msgs]
+    return json.dumps(extra, ensure_ascii=False) if any(extra) else ""
+
+
+def unpack_messages(roles: list[str], contents: list[str], extras: str | None) -> list[dict]:
+    """A conversation row's fields -> its messages (the inverse of pack_extras)."""
+    msgs = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
+    if extras:
+        for m, e in zip(msgs, json.loads(extras), strict=True):
+            m.update(e)
+    return msgs

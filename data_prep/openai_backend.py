@@ -17,6 +17,7 @@ Failures, per request:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -92,12 +93,48 @@ def _request(client, cfg: RegenConfig, messages: list[dict]) -> tuple[str | None
     return None, "empty_reply" if empty else reason
 
 
+def wire_messages(history: list[dict]) -> list[dict]:
+    """A history in the chat-completions wire format: tool-call arguments as JSON strings, each
+    call with an id (`call_<turn>_<n>` where the data had none) and each tool result answering
+    one (`tool_call_id`, the calls' ids in order where the data gave none). Reasoning is left
+    out: servers disagree on its field, and most chat templates drop it from past turns."""
+    out, pending = [], []
+    for j, m in enumerate(history):
+        w = {k: v for k, v in m.items() if k != "reasoning_content"}
+        if m.get("tool_calls"):
+            calls = []
+            for n, c in enumerate(m["tool_calls"]):
+                fn = c["function"]
+                args = fn["arguments"]
+                calls.append(
+                    {
+                        "id": c.get("id") or f"call_{j}_{n}",
+                        "type": "function",
+                        "function": {
+                            "name": fn["name"],
+                            "arguments": args if isinstance(args, str) else json.dumps(args),
+                        },
+                    }
+                )
+            w["tool_calls"] = calls
+            pending = [c["id"] for c in calls]
+        elif m["role"] == "tool":
+            given = w.get("tool_call_id")
+            if given in pending:
+                pending.remove(given)
+            elif not given:
+                w["tool_call_id"] = pending.pop(0) if pending else f"call_{j}"
+        out.append(w)
+    return out
+
+
 def chat_replies(histories: list[list[dict]], cfg: RegenConfig) -> list[tuple[str | None, str]]:
     """Every history's reply (text, "") or (None, reason), in order."""
     import httpx
 
     if not histories:
         return []
+    histories = [wire_messages(h) for h in histories]
     timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 10.0))
     limits = httpx.Limits(max_connections=cfg.concurrency)
     url = cfg.url.rstrip("/")

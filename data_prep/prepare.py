@@ -26,6 +26,8 @@ from data_prep.normalize import (
     RowError,
     conversation_key,
     normalize,
+    pack_extras,
+    unpack_messages,
 )
 from data_prep.template import TemplateError, chunk, encode_batch, mask_method
 from train.core.atomic import publish_dir, write_json, write_text
@@ -133,27 +135,11 @@ def _read_source(
                 "key": key,
                 "roles": [m["role"] for m in msgs],
                 "contents": [m["content"] for m in msgs],
-                "extras": _extras(msgs),
+                "extras": pack_extras(msgs),
             }
         )
     bar.close()
     return rows, n_read, n_row_skips
-
-
-def _extras(msgs: list[dict]) -> str:
-    """Each turn's fields beyond role and content (tool calls, tool_call_id, reasoning) as one
-    JSON list, or "" for a plain chat (most rows: nothing to store or parse)."""
-    extra = [{k: v for k, v in m.items() if k not in ("role", "content")} for m in msgs]
-    return json.dumps(extra, ensure_ascii=False) if any(extra) else ""
-
-
-def _messages(roles: list[str], contents: list[str], extras: str | None) -> list[dict]:
-    """read_conversations' row fields -> messages (inverse of _extras)."""
-    msgs = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
-    if extras:
-        for m, e in zip(msgs, json.loads(extras), strict=True):
-            m.update(e)
-    return msgs
 
 
 def read_mixture(data: DataConfig, skips: SkipLog, seed: int) -> tuple[list[dict], dict]:
@@ -269,9 +255,9 @@ def _is_validation(key: str, seed: int, fraction: float) -> bool:
 
 def _tokenize_batch(batch: dict[str, list], tokenizer, cfg: dict) -> dict[str, list]:
     """datasets.map worker: conversations -> zero or more samples each, plus skip reasons."""
-    extras = batch.get("extras") or [""] * len(batch["roles"])  # regenerated rows have none
+    extras = batch.get("extras") or [""] * len(batch["roles"])
     convs = [
-        _messages(roles, contents, e)
+        unpack_messages(roles, contents, e)
         for roles, contents, e in zip(batch["roles"], batch["contents"], extras, strict=True)
     ]
     encoded = encode_batch(

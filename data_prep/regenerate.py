@@ -31,7 +31,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from data_prep.config import RegenConfig, RegenError
+from data_prep.normalize import pack_extras, unpack_messages
 from data_prep.openai_backend import chat_replies
+from data_prep.template import template_messages
 from train.core.atomic import write_json, write_text
 from train.decoding.sampling import eos_ids
 from train.decoding.slab import generate_left_padded
@@ -109,6 +111,8 @@ def _manifest(rows: list[dict], cfg: RegenConfig, base_name: str, seed: int) -> 
         h.update(r["key"].encode())
     regen = {k: v for k, v in cfg.to_dict().items() if k not in _OPERATIONAL}
     return {
+        # 2: tool calls and reasoning stay in the history (1 kept roles and contents only)
+        "history": 2,
         "conversations": len(rows),
         "keys_sha256": h.hexdigest(),
         "base": base_name,
@@ -117,9 +121,19 @@ def _manifest(rows: list[dict], cfg: RegenConfig, base_name: str, seed: int) -> 
     }
 
 
+def _messages(row: dict) -> list[dict]:
+    return unpack_messages(row["roles"], row["contents"], row.get("extras"))
+
+
+def _targets(msgs: list[dict], cfg: RegenConfig) -> list[int]:
+    """Indices of the assistant turns to regenerate: every reply, but not a turn that calls
+    tools (its calls and their results stay as the history the next reply answers)."""
+    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and not m.get("tool_calls")]
+    return turns if cfg.max_turns is None else turns[: cfg.max_turns]
+
+
 def _planned_turns(row: dict, cfg: RegenConfig) -> int:
-    n = sum(role == "assistant" for role in row["roles"])
-    return n if cfg.max_turns is None else min(n, cfg.max_turns)
+    return len(_targets(_messages(row), cfg))
 
 
 class _Progress:
@@ -148,10 +162,15 @@ class _Progress:
             self.bar.update(turns)
 
 
-def turn_prompt(tokenizer, history: list[dict[str, str]]) -> list[int]:
-    """Token ids of the chat `history` (role/content dicts) plus the assistant-turn opener."""
+def turn_prompt(tokenizer, history: list[dict]) -> list[int]:
+    """Token ids of the chat `history` plus the assistant-turn opener. Tool calls and reasoning
+    in the history reach the model as training renders them (template_messages: inlined where
+    the chat template does not read them)."""
     ids = tokenizer.apply_chat_template(
-        history, add_generation_prompt=True, tokenize=True, return_dict=False
+        template_messages(tokenizer, history),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
     )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -183,10 +202,8 @@ def _regen_shard(rows: list[dict], base, cfg: RegenConfig, progress: _Progress) 
         limit = cfg.max_prompt_tokens if limit is None else min(limit, cfg.max_prompt_tokens)
     convs = []
     for r in rows:
-        msgs = [{"role": a, "content": c} for a, c in zip(r["roles"], r["contents"], strict=True)]
-        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-        if cfg.max_turns is not None:
-            turns = turns[: cfg.max_turns]
+        msgs = _messages(r)
+        turns = _targets(msgs, cfg)
         convs.append({"row": r, "msgs": msgs, "turns": turns, "done": 0, "stop": None})
     step = 0
     while True:
@@ -226,6 +243,7 @@ def _regen_shard(rows: list[dict], base, cfg: RegenConfig, progress: _Progress) 
                 "key": r["key"],
                 "roles": [m["role"] for m in msgs],
                 "contents": [m["content"] for m in msgs],
+                "extras": pack_extras(msgs),  # the history's tool calls and reasoning
                 "regenerated_turns": c["done"],
                 "stop": c["stop"],
             }

@@ -286,3 +286,79 @@ def test_packed_weights_regenerate_the_same_replies(lively_base):
     assert use_weight_layout(packed.model, layout="packed")
     assert any(isinstance(m, PackedLinear) for m in packed.model.modules())
     assert regen_mod.generate_replies(packed, prompts, cfg) == want
+
+
+def _tool_row():
+    from data_prep.normalize import pack_extras
+
+    msgs = [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18C and sunny"},
+        {"role": "assistant", "content": "ORIGINAL"},
+        {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": "ORIGINAL", "reasoning_content": "they are polite"},
+    ]  # fmt: skip
+    return {
+        "conv_id": "t0",
+        "key": "kt0",
+        "roles": [m["role"] for m in msgs],
+        "contents": [m["content"] for m in msgs],
+        "extras": pack_extras(msgs),
+    }
+
+
+def test_tool_calls_and_reasoning_stay_in_the_history_regeneration_sees(
+    tmp_path, tiny_base, monkeypatch
+):
+    """A turn that calls a tool is history, not a reply to regenerate: it and its result are
+    kept, the model sees them rendered as training renders them, and every text reply after
+    them is regenerated, each conditioned on the regenerated replies before it."""
+    import data_prep.regenerate as regen
+    from data_prep.normalize import unpack_messages
+
+    prompts_seen = []
+
+    def fake(base, prompts, cfg, on_batch=None):
+        prompts_seen.extend(prompts)
+        return [tiny_base.tokenizer.encode(f" reply{len(prompts_seen)}") for _ in prompts]
+
+    monkeypatch.setattr(regen, "generate_replies", fake)
+    cfg = regen_config(max_new_tokens=6)
+    row = _tool_row()
+    assert regen._planned_turns(row, cfg) == 2  # the tool-calling turn is not a target
+    (out,) = regenerate([row], tiny_base, cfg, tmp_path / "r")
+    msgs = unpack_messages(out["roles"], out["contents"], out["extras"])
+    assert msgs[:3] == unpack_messages(row["roles"], row["contents"], row["extras"])[:3]
+    assert [m["content"].strip() for m in (msgs[3], msgs[5])] == ["reply1", "reply2"]
+    assert "reasoning_content" not in msgs[5]  # the reply is the base's own now
+    tok = tiny_base.tokenizer
+    first, second = (tok.decode(p) for p in prompts_seen)
+    assert "get_weather" in first and "Paris" in first and "18C and sunny" in first
+    assert "reply1" in second and "thanks" in second
+
+
+def test_regenerated_tool_rows_tokenize_with_their_calls(tmp_path, tiny_base):
+    """The kept tool call reaches the prepared sample (not just the regeneration prompt)."""
+    from data_prep.prepare import tokenize
+
+    (out,) = regenerate([_tool_row()], tiny_base, regen_config(max_new_tokens=6, **SAMPLE),
+                        tmp_path / "r")  # fmt: skip
+    cfg = prep_config(["out=unused", "base=tiny_random"])
+    samples, _ = tokenize([out], tiny_base.tokenizer, cfg)
+    text = tiny_base.tokenizer.decode(samples[0]["input_ids"])
+    assert "get_weather" in text and "18C and sunny" in text
+
+
+def test_wire_messages_follow_the_chat_completions_format():
+    from data_prep.normalize import unpack_messages
+    from data_prep.openai_backend import wire_messages
+
+    row = _tool_row()
+    wire = wire_messages(unpack_messages(row["roles"], row["contents"], row["extras"]))
+    call = wire[1]["tool_calls"][0]
+    assert call["id"] == "call_1_0" and call["type"] == "function"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert wire[2] == {"role": "tool", "content": "18C and sunny", "tool_call_id": "call_1_0"}
+    assert all("reasoning_content" not in m for m in wire)
