@@ -94,6 +94,17 @@ def test_every_group_option_composes_and_validates(group):
                 for pt in plan_points(cfg.sweep):
                     train = [*cfg.sweep.train, *pt["train_overrides"], "out=/tmp/x"]
                     to_typed(compose("train", [*train, "data.prepared=/tmp/p"]), TrainConfig)
+                if cfg.sweep.search is not None:  # so do a search's draws from its space
+                    import optuna
+
+                    from launch.search import suggest
+
+                    optuna.logging.set_verbosity(optuna.logging.WARNING)
+                    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+                    for _ in range(6):
+                        draw = suggest(study.ask(), cfg.sweep.search.space)
+                        train = [*cfg.sweep.train, *draw, "out=/tmp/x", "data.prepared=/tmp/p"]
+                        to_typed(compose("train", train), TrainConfig)
                 continue
             else:
                 cfg = prep_config(overrides)

@@ -71,6 +71,10 @@ class TrainDataConfig(ConfigModel):
     max_val_samples: (
         Annotated[int, check(lambda v: v >= 1, "null (all) or a positive integer")] | None
     )
+    # train on this many samples of the prepared train split, drawn with `seed` (null: all)
+    max_train_samples: (
+        Annotated[int, check(lambda v: v >= 1, "null (all) or a positive integer")] | None
+    )
 
 
 class OptimConfig(ConfigModel):

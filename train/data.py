@@ -267,6 +267,16 @@ class _Batches(torch.utils.data.Dataset):
         return collate(self.ds[indices], self.pad_id, self.max_length)
 
 
+def train_subset(ds, n: int | None, seed: int):
+    """`data.max_train_samples`: n training samples drawn at random with `seed` (kept in their
+    prepared order), or all of them. The same n and seed give the same samples, so a resumed run
+    and the draft vocab see what training sees."""
+    if n is None or n >= len(ds):
+        return ds
+    keep = np.random.default_rng([seed, n]).permutation(len(ds))[:n]
+    return ds.select(np.sort(keep).tolist())
+
+
 class PreparedDataModule(pl.LightningDataModule):
     """Serves `prep` output to Lightning: length-bucketed, padded, deterministic, resumable."""
 
@@ -300,7 +310,7 @@ class PreparedDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self.setup()
         rank, world = self._rank_world()
-        ds = self.dd["train"]
+        ds = train_subset(self.dd["train"], self.cfg.max_train_samples, self.seed)
         sampler = BucketBatchSampler(
             np.asarray(ds["length"]),
             self.cfg.batch_size,

@@ -26,6 +26,7 @@ from train.data import (
     check_vocab,
     load_prepared,
     token_counts,
+    train_subset,
 )
 from train.heads import base_shape, build_heads, heads_meta, save_heads
 from train.heads.blocks import top_tokens
@@ -157,7 +158,8 @@ def build_module(
     draft_ids = None
     if cfg.head.draft_vocab_size is not None:
         n = min(cfg.head.draft_vocab_size, base.vocab_size)
-        draft_ids = top_tokens(token_counts(dd["train"], base.vocab_size), n)
+        train = train_subset(dd["train"], cfg.data.max_train_samples, cfg.seed)
+        draft_ids = top_tokens(token_counts(train, base.vocab_size), n)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         heads = build_heads(cfg.head, base_shape(base.config), base.output_weight(), draft_ids)

@@ -370,3 +370,19 @@ def test_every_distillation_kind_trains_from_config(tiny_prepared, tmp_path, kin
     first, last = sum(log.losses[:5]) / 5, sum(log.losses[-5:]) / 5
     assert last < 0.9 * first, log.losses
     assert module.heads.cfg.loss.kind == kind
+
+
+def test_max_train_samples_trains_on_a_seeded_subset(tiny_prepared, tmp_path):
+    from train.data import load_prepared, train_subset
+
+    full = load_prepared(str(tiny_prepared))["train"]
+    assert len(full) > 3
+    a, b = train_subset(full, 3, 0), train_subset(full, 3, 0)
+    assert len(a) == 3 and a["input_ids"] == b["input_ids"]  # the same draw every time
+    assert train_subset(full, None, 0) is full and train_subset(full, 10**6, 0) is full
+    draws = {tuple(map(tuple, train_subset(full, 3, s)["input_ids"])) for s in range(6)}
+    assert len(draws) > 1  # the seed picks the subset
+    cfg = _cfg(tiny_prepared, tmp_path, "head=hydra", "data.max_train_samples=3")
+    _, dm, *_ = build_module(cfg)
+    rows = sum(batch["input_ids"].shape[0] for batch in dm.train_dataloader())
+    assert rows == 3  # one epoch is the subset

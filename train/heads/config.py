@@ -8,7 +8,6 @@ from pydantic import model_validator
 
 from train.core.config import ConfigModel, NonNegative, Positive, check, fail
 
-
 KINDS = ("kl", "reverse_kl", "jsd", "tv", "lk")  # train.losses.DISTILL_KINDS
 
 
@@ -31,9 +30,10 @@ class LossConfig(ConfigModel):
         if self.lm_weight == 0 and self.distill_weight == 0:
             fail("distill_weight", 0, "lm_weight and distill_weight cannot both be 0")
         if self.kind == "mix":
-            kinds = ", ".join(k for k in KINDS)
+            kinds = ", ".join(KINDS)
             if not self.mix:
-                fail("mix", self.mix, f"kind=mix needs weights, e.g. {{kl: 0.5, lk: 0.5}} ({kinds})")
+                example = "{kl: 0.5, lk: 0.5}"
+                fail("mix", self.mix, f"kind=mix needs weights, e.g. {example} ({kinds})")
             bad = [k for k in self.mix if k not in KINDS]
             if bad:
                 fail("mix", self.mix, f"unknown kind {bad[0]!r}: the kinds are {kinds}")
