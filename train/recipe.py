@@ -265,7 +265,9 @@ def fit(
         base,
         dm.dd.get("validation"),
         out,
-        meta,
+        # heads_best records its training data too: eval's tree=auto calibrates on its
+        # held-out rows, as it does for <out>/heads
+        {**meta, "training": {"prepared": str(Path(cfg.data.prepared).resolve())}},
         cfg.head.hidden_state_offset,
         sharded=defer or bool(getattr(trainer.strategy, "zero_stage_3", False)),
     )

@@ -92,7 +92,11 @@ class MeasuredTau(pl.Callback):
             module.log(f"val/tau_{name}", tau, sync_dist=False)
 
     def _save_best(self, module, tau: float, step: int) -> None:
-        training = {"steps": step, "val_tau": {"tree": self.cfg.trees[0], "tau": tau}}
+        training = {
+            **(self.meta.get("training") or {}),
+            "steps": step,
+            "val_tau": {"tree": self.cfg.trees[0], "tau": tau},
+        }
         save_heads(self.best_dir, module.heads, {**self.meta, "training": training})
 
     def summary(self) -> dict:

@@ -58,6 +58,8 @@ def test_val_tau_is_the_verifier_s_tau_and_the_best_heads_are_kept(
     for name, want_step in (("heads", 12), ("heads_best", vt["best"]["step"])):
         heads, meta = load_heads(out / name)
         assert meta["training"]["steps"] == want_step
+        # both name their training data: eval tree=auto calibrates on its held-out rows
+        assert meta["training"]["prepared"] == str(tiny_prepared.resolve())
         dec = Decoder(tiny_base.model, eos, heads)
         taus = {}
         for tree in ("mc_sim_7b_63", "chain"):
