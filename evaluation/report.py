@@ -119,7 +119,8 @@ def _train_top1(curves: dict[str, list[list[float]]]) -> list[float]:
     """Each head's train top-1 over the last TRAIN_WINDOW logged steps."""
     out, k = [], 1
     while curves.get(f"train/top1_h{k}"):
-        out.append(_trailing_mean(curves[f"train/top1_h{k}"])[-1][1])
+        last = [v for _, v in curves[f"train/top1_h{k}"][-TRAIN_WINDOW:]]
+        out.append(sum(last) / len(last))
         k += 1
     return out
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-# The distillation divergences of `head.loss.kind` (see the module docstring).
-DISTILL_KINDS = ("kl", "reverse_kl", "jsd", "tv", "lk")
+from train.heads.config import KINDS as DISTILL_KINDS  # head.loss.kind's divergences
+
 METRIC_NAMES = ("top1", "top5", "top1_base", "top5_base")
 
 

@@ -8,7 +8,8 @@ from pydantic import model_validator
 
 from train.core.config import ConfigModel, NonNegative, Positive, check, fail
 
-KINDS = ("kl", "reverse_kl", "jsd", "tv", "lk")  # train.losses.DISTILL_KINDS
+# The distillation divergences of train/losses.py, the one list of their names.
+KINDS = ("kl", "reverse_kl", "jsd", "tv", "lk")
 
 
 class LossConfig(ConfigModel):
@@ -18,7 +19,7 @@ class LossConfig(ConfigModel):
     distill_weight: Annotated[float, check(lambda v: v >= 0, "a weight >= 0")]  # to the base
     # The distillation divergence (train/losses.py): kl (the paper's), reverse_kl, jsd, tv, lk
     # (acceptance: -log sum min(p, q)), or mix: the weighted sum of `mix`, {kind: weight}.
-    kind: Literal["kl", "reverse_kl", "jsd", "tv", "lk", "mix"]
+    kind: Literal[(*KINDS, "mix")]  # type: ignore[valid-type]
     mix: dict[str, float] | None
     temperature: Annotated[float, check(lambda v: v > 0, "a number > 0")]
     head_weighting: Literal["constant", "geometric"]
