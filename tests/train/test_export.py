@@ -304,6 +304,28 @@ def test_hydra_pp_export_loads_into_the_official_prefix_mlp(tmp_path, tiny_base)
     assert _compare_with_prefix_mlp(heads, theirs, tiny_base) < 1e-4
 
 
+@pytest.mark.parametrize("arch", ["hydra_pp", "hydra", "medusa"])
+def test_default_heads_are_the_official_structure_and_export(tmp_path, tiny_base, arch):
+    """head=<arch> with its defaults is zankner/Hydra's module: the H -> H blocks are one
+    module (a 4-block default Hydra++ exports with format=hydra), with biases where the
+    official heads have them."""
+    cfg = head_config(arch, num_heads=2, num_layers=3)
+    assert cfg.tie_blocks is True and cfg.bias is (arch != "medusa")
+    torch.manual_seed(3)
+    heads = build_heads(cfg, base_shape(tiny_base.config), tiny_base.lm_head.weight, None)
+    with torch.no_grad():  # perturb as training would: the tied blocks stay one tensor each
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    first = 0 if arch == "medusa" else 1
+    assert all(b is mlp[first] for mlp in heads.mlps for b in list(mlp)[first + 1 :])
+    meta = heads_meta(heads, tiny_base.fingerprint(), TINY.to_dict())
+    hdir = save_heads(tmp_path / "heads", heads, meta)
+    export_heads(hdir, "hydra", tmp_path / "x", base_model="lmsys/vicuna-7b-v1.3")
+    import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
+    back, _ = load_heads(tmp_path / "back", tiny_base.fingerprint())
+    assert_same_proposals(heads.eval(), back.eval(), tiny_base.embed_tokens)
+
+
 def test_official_prefix_mlp_checkpoint_imports_exactly(tmp_path, tiny_base):
     torch.manual_seed(7)
     theirs = ZanknerHydraPrefixMLP(tiny_base.config, 4, 4, tiny_base.embed_tokens)

@@ -45,9 +45,10 @@ def test_fresh_heads_start_as_the_base_lm_head(tiny_base, name):
 
 
 @pytest.mark.parametrize("name", sorted(HEADS))
-def test_layers_are_distinct_modules(tiny_base, name):
+def test_untied_layers_are_distinct_modules(tiny_base, name):
+    """head.tie_blocks=false (an extra: the official heads tie them) gives every block its own."""
     heads = build_heads(
-        head_config(name, num_heads=2, num_layers=3),
+        head_config(name, num_heads=2, num_layers=3, tie_blocks=False),
         base_shape(tiny_base.config),
         tiny_base.lm_head.weight,
     )
