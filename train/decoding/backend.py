@@ -95,12 +95,31 @@ def _register() -> None:
 
 
 def use_gqa_attention(model: nn.Module) -> None:
-    """Switch a transformers model (and its sub-configs) to `sdpa_gqa`."""
+    """Switch a transformers model (and its sub-configs) to `sdpa_gqa`. A model whose
+    attention soft-caps its scores (Gemma-2's `attn_logit_softcapping`), which SDPA cannot do,
+    keeps its own attention function."""
     _register()
     for m in model.modules():
         cfg = getattr(m, "config", None)
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            continue
         if cfg is not None and getattr(cfg, "_attn_implementation", None) in ("sdpa", "eager"):
             cfg._attn_implementation = ATTENTION
+
+
+def output_logits(model: nn.Module):
+    """The base's next-token logits from its final hidden states, as its own forward computes
+    them: `lm_head`, then `final_logit_softcapping` where the config has it (Gemma-2/3:
+    cap * tanh(logits / cap), which keeps the argmax but not the sampling distribution)."""
+    head = model.lm_head
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is None:
+        return head
+
+    def capped(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(head(x) / cap) * cap
+
+    return capped
 
 
 def quantize_base(model: nn.Module, quant: str) -> nn.Module:

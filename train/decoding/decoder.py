@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from train.decoding.backend import compile_body, compute_dtype, forward
+from train.decoding.backend import compile_body, compute_dtype, forward, output_logits
 from train.decoding.cache import KVCache, keep_static, new_cache
 from train.decoding.dynamic import DynamicTree
 from train.decoding.generation import Generation, share_times
+from train.decoding.masks import AttentionLayout, AttentionLayoutError
 from train.decoding.propose import Proposal, Proposer, root_only
 from train.decoding.sampling import (
     Accepted,
@@ -103,6 +104,14 @@ class Decoder:
         # (bf16 on a CPU without bf16 units: 12.1 against 9.5; with them every node at once)
         self.lookahead_rows = 2 if self.dtype == torch.float32 else 1
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.layout = AttentionLayout(model.config)  # full or sliding-window layers
+        if compile and self.layout.sliding:
+            raise AttentionLayoutError(
+                f"eval.compile=true decodes through a StaticCache, which keeps no sliding window "
+                f"for {type(model.config).__name__}'s window of {self.layout.window}: set "
+                "eval.compile=false"
+            )
+        self.lm_head = output_logits(model)  # the base's own logits (Gemma-2: soft-capped)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
         # eval.compile: one compiled graph per (tokens per forward, cache capacity bucket);
         # the prefill stays eager (its length varies). compile_s: time spent compiling.
@@ -280,9 +289,7 @@ class Decoder:
         final, hid = forward(self.model, tokens, pos, cache, None, self.offset)
         last = torch.arange(B, device=dev), P - 1
         s = self.sampling
-        roots = sample_rows(
-            self.model.lm_head(final[last]), s.temperature, self.generator, s.typical
-        )
+        roots = sample_rows(self.lm_head(final[last]), s.temperature, self.generator, s.typical)
         st = _Rows(cache, head_cache, P.clone(), Pm, roots, list(range(B)))
         if speculate:
             st.ctx = self.heads.context(hid, cache=head_cache, positions=pos)[last]
@@ -306,7 +313,7 @@ class Decoder:
         n = prop.tokens.shape[1]
         pos = st.lengths[:, None] + prop.depth
         if self.compiled is None:
-            mask = self._mask(st, prop.bias, n, self.dtype)
+            mask = self.layout.apply(self._mask(st, prop.bias, n, self.dtype), pos, st.start)
             return forward(self.model, prop.tokens, pos, st.cache, mask, self.offset)
         cap = st.cache.layers[0].max_cache_len
         # static shapes: attend over the whole buffer, the unused slots masked out
@@ -324,7 +331,7 @@ class Decoder:
     def _accept(self, prop: Proposal, final: torch.Tensor) -> list[Accepted]:
         """Each row's accepted nodes and bonus token."""
         B, N, _ = final.shape
-        lm_head = self.model.lm_head
+        lm_head = self.lm_head
         if self.project_all >= B * N:
             # one projection of every node of every row reads the output weights once;
             # walking the trees reads them once per depth reached (each a matmul of one row per
