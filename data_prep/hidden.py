@@ -1,40 +1,150 @@
-"""Offline mode: run the frozen base once over prepared samples and store its hidden states."""
+"""Offline mode: run the frozen base once over prepared samples and store its hidden states.
+
+The work is cut into chunks of whole batches (samples sorted by length, so a batch wastes
+little compute on padding). Each chunk is saved on its own under `work` as it finishes, so a
+killed prep resumes from the chunks it has, and the chunks spread over the processes of a
+launcher (`torchrun --nproc_per_node=N --no-python hydra-heads prep ...`, or `srun -n N`):
+rank r computes chunks r, r + N, ... and rank 0 puts them together. A batch holds the same
+samples whatever the number of processes, so N processes give one process's dataset.
+"""
 
 from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from train.core.base import BaseConfig, load_base
 
+CHUNK_BATCHES = 16  # batches per saved chunk: the unit of resumption and of sharing out
+WAIT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the launcher's: (rank, world size, local rank)."""
+
+    rank: int = 0
+    world: int = 1
+    local: int = 0
+
+    @classmethod
+    def from_env(cls) -> Ranks:
+        """torchrun's RANK / WORLD_SIZE / LOCAL_RANK, else an srun step's SLURM_PROCID /
+        SLURM_STEP_NUM_TASKS / SLURM_LOCALID, else one process. (An sbatch script itself, outside
+        srun, has SLURM_NTASKS of its allocation but is one process: no STEP_NUM_TASKS there.)"""
+        env = os.environ
+        if "WORLD_SIZE" in env:
+            keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        elif "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env:
+            keys = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")
+        else:
+            return cls()
+        rank, world, local = (int(env.get(k, 0)) for k in keys)
+        return cls(rank, max(world, 1), local)
+
+
+def _chunks(lengths, batch_size: int) -> list[np.ndarray]:
+    """Sample indices of each chunk: the length-sorted order cut into CHUNK_BATCHES batches."""
+    order = np.argsort(np.asarray(lengths), kind="stable")
+    per = batch_size * CHUNK_BATCHES
+    return [order[i : i + per] for i in range(0, len(order), per)]
+
+
+def _forward(base, ids_list: list, device: str) -> list[np.ndarray]:
+    pad = base.tokenizer.pad_token_id or 0
+    T = max(len(x) for x in ids_list)
+    ids = torch.full((len(ids_list), T), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, x in enumerate(ids_list):
+        ids[i, : len(x)] = torch.as_tensor(np.asarray(x))
+        attn[i, : len(x)] = 1
+    out = base.model.model(
+        input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False
+    )
+    h = out.last_hidden_state.float().cpu().numpy().astype(np.float16)
+    return [h[i, : len(x)] for i, x in enumerate(ids_list)]
+
+
+def _save_chunk(path: Path, hidden: list[np.ndarray], H: int) -> None:
+    from datasets import Array2D, Dataset, Features
+
+    feats = Features({"hidden": Array2D(shape=(None, H), dtype="float16")})
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    Dataset.from_dict({"hidden": hidden}, features=feats).save_to_disk(str(tmp))
+    os.replace(tmp, path)  # a chunk dir exists only when complete
+
 
 @torch.no_grad()
-def cache_hidden_states(dd, base_cfg: BaseConfig, batch_size: int, device: str):
+def cache_hidden_states(
+    dd, base_cfg: BaseConfig, batch_size: int, device: str, work: Path, ranks: Ranks = Ranks()
+):
     """Add a `hidden` column (T, H) fp16: the base's last (post-norm) hidden state per token.
 
     Training reads it instead of running the base (`data.offline=true`); the teacher logits are
     that state through the frozen lm_head, so they match online training up to fp16 rounding.
-    Samples are batched by similar length to waste little compute on padding.
+    Computes this rank's chunks into `work/<split>/` (skipping those already there); rank 0
+    then waits for every chunk and returns the DatasetDict, the others return None.
     """
-    from datasets import Array2D, Dataset, DatasetDict
+    from rich.progress import Progress
 
+    if device.startswith("cuda") and ranks.world > 1:
+        device = f"cuda:{ranks.local}"
     base = load_base(base_cfg, device=device)
-    pad = base.tokenizer.pad_token_id or 0
     H = base.hidden_size
+    plan = {split: _chunks(ds["length"], batch_size) for split, ds in dd.items()}
+    todo = [
+        (split, c, idx)
+        for split, chunks in plan.items()
+        for c, idx in enumerate(chunks)
+        if c % ranks.world == ranks.rank and not (work / split / f"chunk-{c:05d}").is_dir()
+    ]
+    label = "caching hidden states" + (f" (rank {ranks.rank}/{ranks.world})" * (ranks.world > 1))
+    with Progress() as bar:
+        task = bar.add_task(label, total=sum(len(idx) for _, _, idx in todo))
+        for split, c, idx in todo:
+            ids = dd[split].select(idx)["input_ids"]
+            hidden = []
+            for i in range(0, len(ids), batch_size):
+                hidden += _forward(base, ids[i : i + batch_size], device)
+                bar.advance(task, len(ids[i : i + batch_size]))
+            (work / split).mkdir(parents=True, exist_ok=True)
+            _save_chunk(work / split / f"chunk-{c:05d}", hidden, H)
+    if ranks.rank != 0:
+        return None
+    _wait_for_chunks(work, plan)
+    return _assemble(dd, plan, work, H)
 
-    def fwd(batch):
-        ids_list = batch["input_ids"]
-        T = max(len(x) for x in ids_list)
-        ids = torch.full((len(ids_list), T), pad, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, x in enumerate(ids_list):
-            ids[i, : len(x)] = torch.as_tensor(np.asarray(x))
-            attn[i, : len(x)] = 1
-        out = base.model.model(
-            input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False
-        )
-        h = out.last_hidden_state.float().cpu().numpy().astype(np.float16)
-        return {"hidden": [h[i, : len(x)] for i, x in enumerate(ids_list)]}
+
+def _wait_for_chunks(work: Path, plan: dict[str, list]) -> None:
+    """Rank 0: until every rank's chunks are saved (a rank that dies is the launcher's to stop:
+    torchrun and srun --kill-on-bad-exit end the others)."""
+    need = [work / s / f"chunk-{c:05d}" for s, chunks in plan.items() for c in range(len(chunks))]
+    shown = 0.0
+    while missing := [p for p in need if not p.is_dir()]:
+        if time.time() - shown > 30:
+            print(f"waiting for {len(missing)} hidden-state chunk(s) from the other ranks")
+            shown = time.time()
+        time.sleep(WAIT_POLL_S)
+
+
+def _assemble(dd, plan: dict[str, list], work: Path, H: int):
+    """Every split with its chunks' states as the `hidden` column, in the split's own order."""
+    from datasets import (
+        Array2D,
+        Dataset,
+        DatasetDict,
+        concatenate_datasets,
+        load_from_disk,
+    )
 
     out = {}
     for split, ds in dd.items():
@@ -43,15 +153,22 @@ def cache_hidden_states(dd, base_cfg: BaseConfig, batch_size: int, device: str):
         if len(ds) == 0:
             out[split] = Dataset.from_dict({k: [] for k in feats}, features=feats)
             continue
-        order = np.argsort(np.asarray(ds["length"]), kind="stable")
-        tag = f"{ds._fingerprint}-hidden-{base_cfg.name}"
-        cached = ds.select(order).map(
-            fwd,
-            batched=True,
-            batch_size=batch_size,
-            features=feats,
-            desc=f"caching hidden states ({split})",
-            new_fingerprint=tag,  # no hashing of a closure that holds the whole base model
-        )
-        out[split] = cached.select(np.argsort(order, kind="stable"), new_fingerprint=tag + "-o")
+        chunks = [
+            load_from_disk(str(work / split / f"chunk-{c:05d}")) for c in range(len(plan[split]))
+        ]
+        order = np.concatenate(plan[split])
+        hidden = concatenate_datasets(chunks).select(np.argsort(order, kind="stable"))
+        hidden = hidden.flatten_indices()  # a side-by-side concatenation takes no index map
+        out[split] = concatenate_datasets([ds, hidden], axis=1)
     return DatasetDict(out)
+
+
+def chunk_dir(partial: Path, dd, base_cfg: BaseConfig, batch_size: int) -> Path:
+    """Where a prep's chunks live: keyed by its samples (each split's tokens), base and batch
+    size, so that a prep of other data or another base never reuses them."""
+    h = hashlib.sha256(json.dumps([base_cfg.name, batch_size, sorted(dd)]).encode())
+    for split in sorted(dd):
+        col = dd[split].data.column("input_ids").combine_chunks()
+        h.update(np.asarray(col.offsets).tobytes())
+        h.update(np.asarray(col.flatten()).tobytes())
+    return partial / f"hidden-{h.hexdigest()[:16]}"

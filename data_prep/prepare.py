@@ -467,13 +467,24 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     prep_timing.json and `resolved_config` as config.yaml. Returns the stats (+ "timing")."""
     from datasets import DatasetDict
 
+    from data_prep.hidden import Ranks
+
     t_start = time.perf_counter()
     timing: dict[str, float] = {}
     out = Path(cfg.out).expanduser().resolve()
+    ranks = Ranks.from_env()
+    if ranks.world > 1 and not cfg.cache_hidden:
+        raise PrepError(
+            f"prep is running as {ranks.world} processes, which share out cache_hidden=true "
+            "only: run it as one process, or set cache_hidden=true"
+        )
     if out.exists() and not cfg.overwrite:
         raise PrepError(
             f"out={out} already exists; set overwrite=true to replace it, or pick another out"
         )
+    partial = out.parent / f"{out.name}.partial"
+    if ranks.rank > 0:  # rank 0 reads, regenerates and tokenizes; the others cache their share
+        return _cache_share(cfg, partial, ranks)
     tokenizer = chat_tokenizer(cfg.base)
     timing["load_tokenizer_s"] = time.perf_counter() - t_start
     sources = cfg.data.sources
@@ -485,7 +496,6 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
             f"no usable conversation in {read_info['input']} (skipped: "
             f"{dict(skips.counts)}); check data.format / data.turns_field"
         )
-    partial = out.parent / f"{out.name}.partial"
     partial.mkdir(parents=True, exist_ok=True)
     if cfg.regenerate:
         from data_prep.regenerate import regenerate
@@ -521,11 +531,18 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
         read_info["sources"] = _source_stats(read_info, skips, kept)
     dd = DatasetDict({split: split_samples(kept, split, cfg) for split in SPLITS})
     if cfg.cache_hidden:
-        from data_prep.hidden import cache_hidden_states
+        from data_prep.hidden import cache_hidden_states, chunk_dir
 
         with _timed(timing, "cache_hidden_s"):
+            if ranks.world > 1:  # the samples, for the other ranks to cache their share of
+                shared = _shared_samples(partial, cfg)
+                if not shared.is_dir():
+                    dd.save_to_disk(str(shared.with_name(shared.name + ".tmp")))
+                    os.replace(shared.with_name(shared.name + ".tmp"), shared)
             device = _regen_device(cfg.cache_device)
-            dd = cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device)
+            work = chunk_dir(partial, dd, cfg.base, cfg.cache_batch_size)
+            dd = cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device, work, ranks)
+        timing["cache_processes"] = ranks.world
     stats = _stats(cfg, read_info, skips, kept, dd, conv_lengths, tokenizer)
     build = partial / f"build-{os.getpid()}"
     shutil.rmtree(build, ignore_errors=True)
@@ -540,6 +557,31 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     shutil.rmtree(partial, ignore_errors=True)
     stats["timing"] = timing
     return stats
+
+
+def _shared_samples(partial: Path, cfg: PrepConfig) -> Path:
+    """Where rank 0 leaves the tokenized samples for the other ranks: keyed by the config, so
+    that a kept dir from a killed run of the same prep (the same samples) is used again."""
+    key = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()[:16]
+    return partial / f"samples-{key}"
+
+
+def _cache_share(cfg: PrepConfig, partial: Path, ranks) -> dict[str, Any]:
+    """A rank other than 0: wait for rank 0's samples, cache this rank's chunks of hidden
+    states, and end (rank 0 puts the chunks together and writes out=)."""
+    from datasets import load_from_disk
+
+    from data_prep.hidden import WAIT_POLL_S, cache_hidden_states, chunk_dir
+
+    shared = _shared_samples(partial, cfg)
+    t0 = time.perf_counter()
+    while not shared.is_dir():
+        time.sleep(WAIT_POLL_S)
+    dd = load_from_disk(str(shared))
+    device = _regen_device(cfg.cache_device)
+    work = chunk_dir(partial, dd, cfg.base, cfg.cache_batch_size)
+    cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device, work, ranks)
+    return {"rank": ranks.rank, "world": ranks.world, "seconds": time.perf_counter() - t0}
 
 
 def _regen_device(device: str) -> str:

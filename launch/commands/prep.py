@@ -65,6 +65,9 @@ def run(cfg) -> dict[str, Any]:
 
     typed = load(cfg, PrepConfig, EXAMPLE)  # fails here, before any heavy work, on a bad config
     stats = prepare(typed, resolved_config=resolved_yaml(cfg))
+    if "rank" in stats:  # a launcher's rank > 0: its share of cache_hidden, no output of its own
+        print(f"rank {stats['rank']}/{stats['world']}: its hidden-state chunks are cached")
+        return stats
     print_stats(stats, typed.out)
     return stats
 

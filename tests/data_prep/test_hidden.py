@@ -1,0 +1,128 @@
+"""cache_hidden=true: the base's own final hidden states, saved chunk by chunk (a killed prep
+resumes from its chunks), shared out over a launcher's processes with the dataset one process
+writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import CLI, pattern_rows, prep_config
+
+
+def _load(path: Path):
+    from datasets import load_from_disk
+
+    return load_from_disk(str(path))
+
+
+def test_cached_states_are_the_bases_own(tiny_prepared, tiny_base):
+    ds = _load(tiny_prepared)["train"]
+    for i in (0, 7, len(ds) - 1):
+        ids = torch.tensor([ds[i]["input_ids"]])
+        with torch.no_grad():
+            want = tiny_base.model.model(input_ids=ids).last_hidden_state[0]
+        got = torch.tensor(np.asarray(ds[i]["hidden"], dtype=np.float32))
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)  # fp16 storage
+
+
+def _dd(tiny_prepared):
+    from datasets import DatasetDict
+
+    dd = _load(tiny_prepared)
+    return DatasetDict({s: dd[s].remove_columns("hidden") for s in dd})
+
+
+def test_a_killed_cache_resumes_from_its_saved_chunks(tiny_prepared, tmp_path, monkeypatch):
+    from data_prep import hidden
+
+    cfg = prep_config(["base=tiny_random", "out=unused"])
+    dd = _dd(tiny_prepared)
+    work = hidden.chunk_dir(tmp_path, dd, cfg.base, 1)
+    first = hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", work)
+    chunks = sorted((work / "train").iterdir())
+    assert len(chunks) >= 2
+    for c in chunks[1:]:  # as if killed after its first train chunk
+        subprocess.run(["rm", "-r", str(c)], check=True)
+    calls = []
+    real = hidden._forward
+    monkeypatch.setattr(hidden, "_forward", lambda *a: calls.append(1) or real(*a))
+    again = hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", work)
+    per_chunk = hidden.CHUNK_BATCHES
+    assert len(calls) == len(dd["train"]) - per_chunk  # all but the first chunk's batches
+    for split in dd:
+        assert again[split]["hidden"] == first[split]["hidden"]
+        assert again[split]["input_ids"] == dd[split]["input_ids"]
+    # another base or batch size is another chunk dir
+    assert hidden.chunk_dir(tmp_path, dd, cfg.base, 2) != work
+
+
+def test_several_processes_need_cache_hidden(tmp_path, monkeypatch):
+    from data_prep.prepare import PrepError, prepare
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in pattern_rows(4)))
+    cfg = prep_config(["base=tiny_random", "data=jsonl", f"data.path={data}", f"out={tmp_path}/o"])
+    with pytest.raises(PrepError, match="share out cache_hidden=true only"):
+        prepare(cfg)
+
+
+@pytest.mark.slow
+def test_two_processes_cache_the_dataset_one_process_does(tmp_path):
+    """torchrun --nproc_per_node=2: each rank caches its chunks, rank 0 writes the output,
+    equal column for column (hidden states bit for bit) to a one-process prep."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in pattern_rows()))
+    args = ["prep", "base=tiny_random", "data=jsonl", f"data.path={data}", "cache_hidden=true",
+            "cache_batch_size=1", "data.val_fraction=0.15"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    one = subprocess.run(
+        [CLI, *args, f"out={tmp_path / 'one'}"], capture_output=True, text=True, env=env
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=2", "--no-python", CLI]  # fmt: skip
+    two = subprocess.run(
+        [*torchrun, *args, f"out={tmp_path / 'two'}"], capture_output=True, text=True, env=env
+    )
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+    assert "rank 1/2: its hidden-state chunks are cached" in two.stdout
+    a, b = _load(tmp_path / "one"), _load(tmp_path / "two")
+    for split in a:
+        assert a[split].column_names == b[split].column_names
+        for col in a[split].column_names:
+            assert a[split][col] == b[split][col], (split, col)
+    timing = json.loads((tmp_path / "two" / "prep_timing.json").read_text())
+    assert timing["cache_processes"] == 2
+    assert not (tmp_path / "two.partial").exists()  # the chunks and samples are cleaned up
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, (0, 1, 0)),
+        ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, (3, 4, 1)),  # torchrun
+        ({"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "2"}, (2, 8, 2)),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}, (0, 1, 0)),  # an sbatch script, not srun
+    ],
+)
+def test_ranks_from_the_launchers_environment(monkeypatch, env, want):
+    from data_prep.hidden import Ranks
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+              "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"):  # fmt: skip
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    r = Ranks.from_env()
+    assert (r.rank, r.world, r.local) == want
