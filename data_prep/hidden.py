@@ -15,6 +15,8 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,8 +81,22 @@ def _save_chunk(path: Path, hidden: list[np.ndarray], H: int) -> None:
     feats = Features({"hidden": Array2D(shape=(None, H), dtype="float16")})
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    Dataset.from_dict({"hidden": hidden}, features=feats).save_to_disk(str(tmp))
+    with _quiet_datasets():  # a bar per chunk would bury the caching bar
+        Dataset.from_dict({"hidden": hidden}, features=feats).save_to_disk(str(tmp))
     os.replace(tmp, path)  # a chunk dir exists only when complete
+
+
+@contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
 
 
 @torch.no_grad()
@@ -158,7 +174,8 @@ def _assemble(dd, plan: dict[str, list], work: Path, H: int):
         ]
         order = np.concatenate(plan[split])
         hidden = concatenate_datasets(chunks).select(np.argsort(order, kind="stable"))
-        hidden = hidden.flatten_indices()  # a side-by-side concatenation takes no index map
+        with _quiet_datasets():  # a side-by-side concatenation takes no index map
+            hidden = hidden.flatten_indices()
         out[split] = concatenate_datasets([ds, hidden], axis=1)
     return DatasetDict(out)
 
