@@ -169,3 +169,23 @@ def test_decoder_logits_are_the_models_own_soft_capped_ones():
         got = Decoder(model, set()).lm_head(out.hidden_states[-1])
     torch.testing.assert_close(got, out.logits)
     assert not torch.allclose(model.lm_head(out.hidden_states[-1]), out.logits)
+
+
+def test_decoder_reads_the_lm_head_the_model_has_now(tiny_base):
+    """use_weight_layout swaps the base's lm_head for a packed one after the decoder is built
+    (evaluate.py); the decoder's logits come from whatever lm_head the model holds."""
+    model = tiny_base.model
+    dec = Decoder(model, set())
+    original, calls = model.lm_head, []
+
+    class Counting(torch.nn.Module):
+        def forward(self, x):
+            calls.append(x.shape)
+            return original(x)
+
+    model.lm_head = Counting()
+    try:
+        dec.plain([[5, 6, 7]], 4)
+    finally:
+        model.lm_head = original
+    assert len(calls) == 4  # the prefill's root and three one-token steps

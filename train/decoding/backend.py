@@ -107,19 +107,14 @@ def use_gqa_attention(model: nn.Module) -> None:
             cfg._attn_implementation = ATTENTION
 
 
-def output_logits(model: nn.Module):
+def output_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The base's next-token logits from its final hidden states, as its own forward computes
-    them: `lm_head`, then `final_logit_softcapping` where the config has it (Gemma-2/3:
+    them: `lm_head` (looked up at each call: `use_weight_layout` may replace it after a
+    decoder is built), then `final_logit_softcapping` where the config has it (Gemma-2/3:
     cap * tanh(logits / cap), which keeps the argmax but not the sampling distribution)."""
-    head = model.lm_head
+    logits = model.lm_head(hidden)
     cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap is None:
-        return head
-
-    def capped(x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(head(x) / cap) * cap
-
-    return capped
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def quantize_base(model: nn.Module, quant: str) -> nn.Module:

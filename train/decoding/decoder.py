@@ -20,6 +20,7 @@ could between a verify pass and a one-token step.)
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import dataclass
 
@@ -111,7 +112,8 @@ class Decoder:
                 f"for {type(model.config).__name__}'s window of {self.layout.window}: set "
                 "eval.compile=false"
             )
-        self.lm_head = output_logits(model)  # the base's own logits (Gemma-2: soft-capped)
+        # the base's own logits (Gemma-2: soft-capped), from its lm_head at each call
+        self.lm_head = functools.partial(output_logits, self.model)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
         # eval.compile: one compiled graph per (tokens per forward, cache capacity bucket);
         # the prefill stays eager (its length varies). compile_s: time spent compiling.
