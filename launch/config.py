@@ -115,7 +115,7 @@ class SearchParam(ConfigModel):
 
 class SearchSpec(ConfigModel):
     """`sweep.search`: a budgeted Optuna search in place of a grid. Its study lives in
-    <out>/study.db (SQLite), so a killed search resumes where it stopped."""
+    <out>/study.db (SQLite; see `storage`), so a killed search resumes where it stopped."""
 
     backend: Literal["optuna"]
     trials: Positive  # finished trials (complete or failed) the search runs to
@@ -186,11 +186,34 @@ class SweepConfig(ConfigModel):
     train_prefix: list[str]
     job_train_args: list[str]
     job_eval_args: list[str]
+    # A search's execution, not part of its identity (launch/search.py): trials at once (local
+    # worker processes, or SLURM jobs with backend=slurm), where the study lives, threads per
+    # local worker (null: this machine's cores shared out), and the worker a process is (set
+    # on each worker's own command line).
+    workers: Positive
+    storage: (
+        Annotated[
+            str,
+            check(
+                lambda v: v == "journal" or "://" in v,
+                "null (<out>/study.db), journal (<out>/study.journal) or an RDB URL such as "
+                "postgresql://user@host/db",
+            ),
+        ]
+        | None
+    )
+    threads_per_worker: Positive | None
+    worker: str | int | None  # worker=0 reads as an int
 
     @model_validator(mode="after")
     def _command_line_grids(self) -> SweepConfig:
-        if self.sweep.search is not None and self.backend == "slurm":
-            fail("backend", "slurm", "a search runs its trials one after another: backend=local")
+        if self.sweep.search is None and self.workers > 1:
+            fail(
+                "workers",
+                self.workers,
+                "1 for a grid (workers run a search's trials at once; a grid's points run at "
+                "once with backend=slurm)",
+            )
         if self.grid is None and self.eval_grid is None:
             return self
         spec = self.sweep.model_dump()

@@ -110,3 +110,39 @@ def deepspeed_command(ds: DeepSpeedLauncher, overrides: list[str]) -> list[str]:
 
 def script_path(sl: SlurmLauncher, out: str) -> Path:
     return Path(sl.script) if sl.script else Path(out) / "launch.sbatch"
+
+
+def sweep_job(cfg, argv: list[str], own: list[str], workdir: Path, script: Path, what: str) -> str:
+    """Submit one sweep job (a train point, or a search worker): `hydra-heads sweep` with this
+    command's overrides `argv`, the job's `own` ones, and training under srun sized to
+    `cfg.slurm`'s allocation (evals on its first GPU unless the sweep says where). Returns
+    the job id; fails naming `what` if sbatch does."""
+    import json
+    import os
+    import subprocess
+
+    from train.core.errors import ConfigError
+
+    sl = cfg.slurm
+    job_train = [f"trainer.num_nodes={sl.nodes}", f"trainer.devices={sl.tasks_per_node}"]
+    user_eval = [*cfg.sweep.eval, *cfg.eval_args]
+    job_eval = (
+        ["eval.device=cuda"]
+        if sl.gpus_per_node and not any(a.startswith("eval.device=") for a in user_eval)
+        else []
+    )
+    job = [
+        sys.executable, "-m", "launch", "sweep", *argv, "backend=local", *own,
+        "train_prefix=" + json.dumps(["srun", "--kill-on-bad-exit=1"]),
+        "job_train_args=" + json.dumps(job_train),
+        "job_eval_args=" + json.dumps(job_eval),
+    ]  # fmt: skip
+    workdir.mkdir(parents=True, exist_ok=True)
+    script.write_text(sbatch_script(sl, [], str(workdir), os.getcwd(), body=[shlex.join(job)]))
+    try:
+        r = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise ConfigError("sbatch not found: run backend=slurm on a SLURM login node") from None
+    if r.returncode != 0:
+        raise ConfigError(f"sbatch failed for {what}: {r.stderr.strip()}")
+    return r.stdout.strip().split(";")[0]

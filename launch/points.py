@@ -30,13 +30,13 @@ def eval_command(cfg: SweepConfig, out: Path, point: dict) -> list[str]:
     return cli("eval", *args, f"heads={heads}", f"out={out / point['dir']}")
 
 
-def _run_logged(cmd: list[str], logfile: Path) -> int:
+def _run_logged(cmd: list[str], logfile: Path, env: dict[str, str] | None = None) -> int:
     """Run one CLI step, its output appended to `logfile`; the exit status."""
     logfile.parent.mkdir(parents=True, exist_ok=True)
     with logfile.open("a") as fh:
         fh.write(f"\n$ {shlex.join(cmd)}\n")
         fh.flush()
-        return subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        return subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
 
 
 def _tail(logfile: Path, n: int = 5) -> str:
@@ -49,10 +49,15 @@ def _tail(logfile: Path, n: int = 5) -> str:
 
 
 def run_point(
-    cfg: SweepConfig, out: Path, p: dict, describe: Callable[[str], object] = lambda text: None
+    cfg: SweepConfig,
+    out: Path,
+    p: dict,
+    describe: Callable[[str], object] = lambda text: None,
+    env: dict[str, str] | None = None,
 ) -> tuple[str | None, str]:
     """Train point `p` (unless its training finished before) and evaluate it, each step's
-    output in logs/<point>.log. Returns (None, "") or (the stage that failed, why)."""
+    output in logs/<point>.log, the steps in `env` (default: this process's). Returns
+    (None, "") or (the stage that failed, why)."""
     tname = p["train_point"]
     log_file = out / "logs" / f"{p['name']}.log"
     tdir = out / "points" / tname / "train"
@@ -60,11 +65,12 @@ def run_point(
     if not (tdir / "train_summary.json").is_file():
         describe(f"train {tname}")
         update_point(out, p["name"], status="training")
-        if _run_logged(train_command(cfg, out, tname, p["train_overrides"]), log_file) != 0:
+        cmd = train_command(cfg, out, tname, p["train_overrides"])
+        if _run_logged(cmd, log_file, env) != 0:
             return "train", _tail(log_file)
     describe(f"eval {p['name']}")
     update_point(out, p["name"], status="evaluating")
-    if _run_logged(eval_command(cfg, out, p), log_file) != 0:
+    if _run_logged(eval_command(cfg, out, p), log_file, env) != 0:
         return "eval", _tail(log_file)
     update_point(out, p["name"], status="done", seconds=round(time.time() - t0, 1))
     return None, ""

@@ -8,10 +8,21 @@ sweep's points are separate `train` and `eval` processes with their own checkpoi
 logs, so that a killed trial resumes from its last checkpoint instead of restarting, and the
 sweeper plugin runs its jobs inside one hydra multirun.
 
-The study lives in <out>/study.db (SQLite). A killed search resumes where it stopped: the
-finished trials stay, and the trial that was running is marked failed and queued again with
-the same values, so its point continues from its checkpoint. Raising `sweep.search.trials` on
-the same out extends the search. One process runs a search at a time (<out>/search.lock).
+The study lives in <out>/study.db (SQLite), in Optuna's journal file <out>/study.journal
+(`storage=journal`), or in any RDB (`storage=postgresql://...`). A killed search resumes where
+it stopped: the finished trials stay, and the trial that was running is marked failed and
+queued again with the same values, so its point continues from its checkpoint. Raising
+`sweep.search.trials` on the same out extends the search.
+
+Trials run `workers` at a time: local worker processes (`workers=N`, each with its share of the
+cores, its console in logs/worker-<i>.log), or one SLURM job per worker (`backend=slurm`), all
+sharing the study. A worker holds <out>/workers/<id>.lock while it runs; a running trial whose
+worker no longer holds its lock was killed, and is queued again by the next worker to ask.
+Asking happens under <out>/search.lock, where finished plus running trials are counted against
+`search.trials`, so the workers together run exactly that many. With `sampler=random` every
+trial's values are drawn from the seed up front, so the study holds the same trials whatever
+the number of workers; TPE (with the constant liar when workers > 1) draws from the trials
+finished so far, so its parallel draws depend on timing.
 
 <out>/report/ holds the sweep's report over the finished trials, plus study.md / study.json:
 the best trials, and each key's importance (Optuna's PED-ANOVA evaluator, which needs no
@@ -21,17 +32,27 @@ scikit-learn) once enough trials are complete.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
+import os
 import sqlite3
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from launch.config import SearchSpec, SweepConfig
+from launch.config import SweepConfig
 from launch.grid import override_value, unique_slugs
-from launch.points import run_point, write_report
-from launch.sweep_state import add_point, read_state, update_point
+from launch.points import cli, run_point, write_report
+from launch.sweep_state import (
+    add_point,
+    locked,
+    point_lock,
+    read_state,
+    record_job,
+    update_point,
+)
 from train.core.atomic import write_json, write_text
 from train.core.errors import ConfigError, UserError
 
@@ -57,23 +78,43 @@ def check_study(path: Path) -> None:
         )
 
 
-def _study(spec: SearchSpec, name: str, out: Path):
+def storage(cfg: SweepConfig, out: Path):
+    """The study's storage: <out>/study.db (SQLite), Optuna's journal file <out>/study.journal
+    (`storage=journal`: appends under a file lock, for workers on a shared filesystem), or an
+    RDB URL (`postgresql://...`, `mysql://...`, `sqlite:///...`)."""
+    if cfg.storage is None:
+        check_study(out / "study.db")
+        return f"sqlite:///{out / 'study.db'}"
+    if cfg.storage == "journal":
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+
+        path = str(out / "study.journal")
+        return JournalStorage(JournalFileBackend(path, lock_obj=JournalFileOpenLock(path)))
+    return cfg.storage
+
+
+def _study(cfg: SweepConfig, out: Path):
     import optuna
 
-    check_study(out / "study.db")
+    spec = cfg.sweep.search
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = (
-        optuna.samplers.TPESampler(seed=spec.seed)
+        # constant liar: running trials count as bad ones, so parallel workers spread out
+        optuna.samplers.TPESampler(seed=spec.seed, constant_liar=cfg.workers > 1)
         if spec.sampler == "tpe"
         else optuna.samplers.RandomSampler(seed=spec.seed)
     )
-    return optuna.create_study(
-        study_name=name,
-        storage=f"sqlite:///{out / 'study.db'}",
-        direction="maximize",
-        sampler=sampler,
-        load_if_exists=True,
-    )
+    try:
+        return optuna.create_study(
+            study_name=cfg.sweep.name,
+            storage=storage(cfg, out),
+            direction="maximize",
+            sampler=sampler,
+            load_if_exists=True,
+        )
+    except ImportError as e:  # an RDB URL whose driver is not installed
+        raise ConfigError(f"storage={cfg.storage}: {e}; install its database driver") from None
 
 
 def suggest(trial, space) -> list[str]:
@@ -93,15 +134,52 @@ def suggest(trial, space) -> list[str]:
     return overrides
 
 
-def _requeue_interrupted(study) -> int:
-    """Trials a killed search left running: failed, and queued again with the same values."""
+def _worker_alive(out: Path, worker: str | None, me: str) -> bool:
+    """Whether the worker process that runs a trial still holds its lock. This worker's own
+    running trials are a killed run's: it asks for a trial only between trials."""
+    if worker is None or worker == me:  # None: a trial from before workers
+        return False
+    with point_lock(out / "workers" / f"{worker}.lock") as free:
+        return not free
+
+
+def _requeue_interrupted(study, out: Path, me: str) -> int:
+    """Running trials whose worker is gone (killed): failed, and queued again with the same
+    values. Called under the ask lock, so no worker is between asking and marking a trial."""
     from optuna.trial import TrialState
 
-    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+    stale = [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if not _worker_alive(out, t.user_attrs.get("worker"), me)
+    ]
     for t in stale:
         study.tell(t.number, state=TrialState.FAIL)
         study.enqueue_trial(t.params, user_attrs={"requeued_from": t.number})
     return len(stale)
+
+
+def _draw_ahead(study, cfg: SweepConfig) -> None:
+    """sampler=random: every trial's values drawn up front from the seed and queued in trial
+    order, so that the study holds the same trials whatever the number of workers and the
+    order they finish in (TPE draws from the trials finished so far, so its parallel trials
+    depend on timing)."""
+    import optuna
+
+    search = cfg.sweep.search
+    drawn = int(study.user_attrs.get("drawn", 0))
+    if search.sampler != "random" or drawn >= search.trials:
+        return
+    draft = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=search.seed))
+    params = []
+    for _ in range(search.trials):
+        t = draft.ask()
+        suggest(t, search.space)
+        draft.tell(t, 0.0)
+        params.append(t.params)
+    for i in range(drawn, search.trials):
+        study.enqueue_trial(params[i], user_attrs={"draw": i})
+    study.set_user_attr("drawn", search.trials)
 
 
 def finished_trials(study) -> int:
@@ -141,30 +219,72 @@ def _point(overrides: list[str], trial: int) -> dict[str, Any]:
     }
 
 
+def _running(study) -> int:
+    from optuna.trial import TrialState
+
+    return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+
+def _next_trial(cfg: SweepConfig, out: Path, study, worker: str):
+    """The worker's next trial, or None when the search has all it needs (finished plus
+    running trials make search.trials). Under <out>/search.lock: stale trials are queued
+    again first, and no two workers count the same free slot."""
+    with locked(out / "search.json"):  # <out>/search.lock
+        _requeue_interrupted(study, out, worker)
+        _draw_ahead(study, cfg)
+        if finished_trials(study) + _running(study) >= cfg.sweep.search.trials:
+            return None
+        trial = study.ask()
+        trial.set_user_attr("worker", worker)
+        return trial
+
+
+def _threads(cfg: SweepConfig) -> int | None:
+    """Torch threads per local worker: the key, or this machine's cores shared out (several
+    torch processes with all the cores each run several times slower than one alone)."""
+    if cfg.threads_per_worker is not None:
+        return cfg.threads_per_worker
+    if cfg.workers == 1:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // cfg.workers)
+
+
 def run_search(cfg: SweepConfig, out: Path, progress: bool = True) -> dict[str, Any]:
-    """Run the search to `search.trials` finished trials; returns sweep.json's content."""
+    """Run the search to `search.trials` finished trials; returns sweep.json's content. With
+    workers > 1 (and no worker=), this process starts the workers and follows them."""
+    if cfg.worker is None and cfg.workers > 1:
+        return run_workers(cfg, out, progress)
+    return run_worker(cfg, out, "0" if cfg.worker is None else str(cfg.worker), progress)
+
+
+def run_worker(cfg: SweepConfig, out: Path, worker: str, progress: bool) -> dict[str, Any]:
+    """One worker: trials asked from the shared study, trained, evaluated and told, until the
+    search has its trials. <out>/workers/<worker>.lock, held while it runs, tells the other
+    workers that its running trial is not a killed one."""
     from optuna.trial import TrialState
     from rich.markup import escape
     from rich.progress import Progress
 
-    spec, search = cfg.sweep, cfg.sweep.search
-    with open(out / "search.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+    search = cfg.sweep.search
+    with point_lock(out / "workers" / f"{worker}.lock") as mine:
+        if not mine:
             raise ConfigError(
-                f"another process is running the search in {out}; wait for it, or use another out"
-            ) from None
-        study = _study(search, spec.name, out)
-        requeued = _requeue_interrupted(study)
-        done = finished_trials(study)
+                f"another process is running the search in {out} as worker {worker}; wait for "
+                "it, or use another out"
+            )
+        study = _study(cfg, out)
+        with locked(out / "search.json"):
+            requeued = _requeue_interrupted(study, out, worker)
+        env = None
+        if (threads := _threads(cfg)) is not None:
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        label = f"search {cfg.sweep.name}" + (f" (worker {worker})" if cfg.workers > 1 else "")
         with Progress(disable=not progress) as bar:
-            task = bar.add_task(f"search {spec.name}", total=search.trials, completed=done)
+            task = bar.add_task(label, total=search.trials, completed=finished_trials(study))
             if requeued:
                 bar.console.print(f"resuming: {requeued} interrupted trial(s) queued again")
             failures = 0
-            while done < search.trials:
-                trial = study.ask()
+            while (trial := _next_trial(cfg, out, study, worker)) is not None:
                 point = _point(suggest(trial, search.space), trial.number)
                 add_point(out, point)
                 state = read_state(out)
@@ -174,7 +294,7 @@ def run_search(cfg: SweepConfig, out: Path, progress: bool = True) -> dict[str, 
                     stage, msg = run_point(
                         cfg, out, current, lambda d, n=trial.number: bar.update(
                             task, description=f"trial {n}: {d}"
-                        )
+                        ), env=env,
                     )  # fmt: skip
                 if stage is None:
                     try:
@@ -196,12 +316,76 @@ def run_search(cfg: SweepConfig, out: Path, progress: bool = True) -> dict[str, 
                         f"trial {trial.number}: {search.objective} {value:.4f} "
                         f"({' '.join(point['train_overrides'])})"
                     )
-                done += 1
-                bar.advance(task)
+                bar.update(task, completed=finished_trials(study))
                 if cfg.report:
-                    refresh_report(out, spec, study)
+                    refresh_report(out, cfg.sweep, study)
                 if cfg.max_failures and failures >= cfg.max_failures:
                     break
+    return read_state(out)
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """This command's overrides without the ones each worker is given its own of."""
+    own = ("backend=", "worker=", "train_prefix=", "job_", "only=")
+    return [a for a in argv if not a.lstrip("+~").startswith(own)]
+
+
+def run_workers(cfg: SweepConfig, out: Path, progress: bool) -> dict[str, Any]:
+    """`workers` local worker processes (`hydra-heads sweep ... worker=<i>`), each with its
+    share of the cores and its console in <out>/logs/worker-<i>.log; this process shows the
+    study's progress and fails naming a worker that failed."""
+    from rich.progress import Progress
+
+    study = _study(cfg, out)  # created once here, before the workers open it
+    with locked(out / "search.json"):
+        _draw_ahead(study, cfg)
+    argv = worker_argv(sys.argv[1:])
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i in range(cfg.workers):
+        log_path = out / "logs" / f"worker-{i}.log"
+        fh = log_path.open("a")
+        cmd = cli("sweep", *argv, "backend=local", f"worker={i}")
+        procs.append((i, log_path, fh, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)))
+    try:
+        with Progress(disable=not progress) as bar:
+            task = bar.add_task(
+                f"search {cfg.sweep.name}: {cfg.workers} workers ({_threads(cfg)} threads each)",
+                total=cfg.sweep.search.trials,
+            )
+            while any(p.poll() is None for *_, p in procs):
+                bar.update(task, completed=finished_trials(study))
+                time.sleep(1.0)
+            bar.update(task, completed=finished_trials(study))
+    finally:
+        for *_, fh, p in procs:
+            if p.poll() is None:  # this process was interrupted: the workers stop with it
+                p.terminate()
+                p.wait()
+            fh.close()
+    failed = [(i, path, p.returncode) for i, path, _, p in procs if p.returncode != 0]
+    if failed:
+        i, path, rc = failed[0]
+        raise UserError(f"search worker {i} failed (exit {rc}); its console is in {path}")
+    return read_state(out)
+
+
+def submit_workers(cfg: SweepConfig, out: Path) -> dict[str, Any]:
+    """backend=slurm: `workers` SLURM jobs, each a worker (`worker=slurm-<i>`) whose trials
+    train under srun on the job's allocation, sharing the study (put it on storage every node
+    reaches: out= on a shared filesystem with storage=journal, or an RDB URL)."""
+    from launch.launchers import sweep_job
+
+    study = _study(cfg, out)
+    with locked(out / "search.json"):
+        _draw_ahead(study, cfg)
+    wdir = out / "workers"
+    for i in range(cfg.workers):
+        path = wdir / f"worker-{i}.sbatch"
+        own = [f"worker=slurm-{i}"]
+        job_id = sweep_job(cfg, worker_argv(sys.argv[1:]), own, wdir, path, f"search worker {i}")
+        record_job(out, f"worker-slurm-{i}", job_id)
+        print(f"submitted search worker slurm-{i}: job {job_id} ({path})")
     return read_state(out)
 
 

@@ -21,8 +21,6 @@ launch/points.py (one point's train and eval steps), launch/search.py (`sweep.se
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
 import subprocess
 import sys
@@ -30,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import SweepConfig
-from launch.points import cli, eval_command, run_point, train_command, write_report
-from launch.search import run_search
+from launch.points import eval_command, run_point, train_command, write_report
+from launch.search import run_search, submit_workers
 from launch.sweep_state import (
     load_state,
     locked,
@@ -78,10 +76,12 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
             print(shlex.join(train_command(cfg, out, p["train_point"], p["train_overrides"])))
             print(shlex.join(eval_command(cfg, out, p)))
         return state
+    if spec.search is not None:
+        if cfg.backend == "slurm":
+            return submit_workers(cfg, out)
+        return run_search(cfg, out, progress)
     if cfg.backend == "slurm":
         return submit_points(cfg, out, state)
-    if spec.search is not None:
-        return run_search(cfg, out, progress)
     from rich.markup import escape
     from rich.progress import Progress
 
@@ -146,9 +146,8 @@ def _live_jobs(jobs: dict[str, str]) -> dict[str, str]:
 def submit_points(cfg: SweepConfig, out: Path, state: dict) -> dict[str, Any]:
     """One sbatch job per unfinished train point. The job runs this sweep for its point only:
     training under srun on every task (requeued on pre-emption, resumed), then the evals."""
-    from launch.launchers import sbatch_script
+    from launch.launchers import sweep_job
 
-    sl = cfg.slurm
     live = _live_jobs(state.get("jobs", {}))
     pending = sorted(
         {p["train_point"] for p in state["points"] if p["status"] != "done"} - set(live)
@@ -160,36 +159,10 @@ def submit_points(cfg: SweepConfig, out: Path, state: dict) -> dict[str, Any]:
         for a in sys.argv[1:]
         if not a.lstrip("+~").startswith(("backend=", "only=", "train_prefix=", "job_"))
     ]
-    job_train = [f"trainer.num_nodes={sl.nodes}", f"trainer.devices={sl.tasks_per_node}"]
-    user_eval = [*cfg.sweep.eval, *cfg.eval_args]
-    # Evals run on the job's first GPU unless the sweep says where.
-    job_eval = (
-        ["eval.device=cuda"]
-        if sl.gpus_per_node and not any(a.startswith("eval.device=") for a in user_eval)
-        else []
-    )
     for tname in pending:
         tdir = out / "points" / tname
-        tdir.mkdir(parents=True, exist_ok=True)
-        job = cli(
-            "sweep",
-            *argv,
-            "backend=local",
-            f"only={tname}",
-            "train_prefix=" + json.dumps(["srun", "--kill-on-bad-exit=1"]),
-            "job_train_args=" + json.dumps(job_train),
-            "job_eval_args=" + json.dumps(job_eval),
-        )
-        script = sbatch_script(sl, [], str(tdir), os.getcwd(), body=[shlex.join(job)])
         path = tdir / "sweep_point.sbatch"
-        path.write_text(script)
-        try:
-            r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
-        except FileNotFoundError:
-            raise ConfigError("sbatch not found: run backend=slurm on a SLURM login node") from None
-        if r.returncode != 0:
-            raise ConfigError(f"sbatch failed for point {tname}: {r.stderr.strip()}")
-        job_id = r.stdout.strip().split(";")[0]
+        job_id = sweep_job(cfg, argv, [f"only={tname}"], tdir, path, f"point {tname}")
         record_job(out, tname, job_id)
         print(f"submitted {tname}: job {job_id} ({path})")
     return read_state(out)

@@ -294,6 +294,11 @@ def main() -> None:
                for it in items]  # fmt: skip
     if 2 in sections:
         prepared = args.prepared or (meta.get("training") or {}).get("prepared")
+        if prepared is None:
+            raise SystemExit(
+                f"{args.heads} names no prep output (heads from before it was recorded): "
+                "pass --prepared DIR, the prep output the heads were trained on"
+            )
         ds = prepared_rows(prepared)
         _, next_row = held_out_prompts(ds, 1, 1024)
         rows = calibration_rows(ds, next_row, from_group(CalibratedTree, "tree", "calibrated"))

@@ -49,10 +49,14 @@ def print_summary(res: dict[str, Any], out: str) -> None:
     )
     by_category = res.get("by_category") or {}
     if len(by_category) > 1:  # a suite with categories (MT-Bench): tau / speedup per category
+        timed = "plain_tokens_per_s" in res  # eval.compare_plain=false: no speedups
         for name, fig in by_category.items():
-            t.add_row(f"  {name} ({fig['generations']}): tau / speedup",
-                      f"{with_ci(fig['tau'], fig.get('tau_ci95'))} / "
-                      f"{num(fig['speedup'], '.2f')}x")  # fmt: skip
+            tau = with_ci(fig["tau"], fig.get("tau_ci95"))
+            if timed:
+                t.add_row(f"  {name} ({fig['generations']}): tau / speedup",
+                          f"{tau} / {num(fig['speedup'], '.2f')}x")  # fmt: skip
+            else:
+                t.add_row(f"  {name} ({fig['generations']}): tau", tau)
     if res["lossless"] is not None:
         t.add_row("lossless (greedy == plain greedy)", "yes" if res["lossless"] else "NO")
     Console().print(t)

@@ -24,6 +24,9 @@ def run(cfg) -> dict[str, Any]:
     state = run_sweep(typed)
     if typed.dry_run or typed.backend == "slurm":
         return state
+    if typed.worker is not None:  # one of a search's workers: the others' trials may still run
+        print(f"search worker {typed.worker}: no trial left to ask for")
+        return state
     from rich.markup import escape
 
     mine = [p for p in state["points"] if typed.only is None or p["train_point"] == typed.only]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_here
+from tests.helpers import run, run_here, slurm_up
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,8 @@ def test_search_runs_resumes_after_a_kill_and_reports_the_study(tiny_prepared, t
         ("sweep.search.space={optim.lr: {low: 1, high: 0.1}}", "low < high"),
         ("sweep.search.space={head: {choices: []}}", "a non-empty list"),
         ("sweep.search.objective=speed", "sweep.search.objective"),
-        ("backend=slurm", "a search runs its trials one after another"),
+        ("storage=study.db", "null (<out>/study.db), journal (<out>/study.journal) or an RDB"),
+        ("threads_per_worker=0", "threads_per_worker"),
     ],
 )
 def test_bad_searches_fail_clearly(tiny_prepared, tmp_path, override, message):
@@ -123,6 +124,85 @@ def test_search_and_grid_together_is_an_error(tiny_prepared, tmp_path):
     args = [*search_args(tmp_path / "s", tiny_prepared), 'grid=["head=medusa,hydra"]']
     r = run_here("sweep", *args)
     assert r.returncode == 2 and "a search draws its own points" in r.stderr
+
+
+def test_workers_are_for_searches(tiny_prepared, tmp_path):
+    args = ["sweep=architectures_cpu", f"out={tmp_path / 'g'}", "workers=2"]
+    r = run_here("sweep", *args)
+    assert r.returncode == 2 and "1 for a grid (workers run a search's trials" in r.stderr
+
+
+def _draws(space, seed: int, n: int) -> list[dict]:
+    """What sampler=random with `seed` draws for n trials in one process, one after another."""
+    import optuna
+
+    from launch.search import suggest
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    out = []
+    for _ in range(n):
+        t = study.ask()
+        suggest(t, space)
+        study.tell(t, 0.0)
+        out.append(t.params)
+    return out
+
+
+def test_two_local_workers_share_one_journal_study(tiny_prepared, tmp_path):
+    """workers=2 storage=journal: two worker processes, 1 thread each on 2 cores, finish the
+    search's trials together, with the trials (seeded random) that one process draws."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    from optuna.trial import TrialState
+
+    from launch.config import SweepConfig
+    from train.core.config import compose, load
+
+    out = tmp_path / "search"
+    args = [*search_args(out, tiny_prepared), "sweep.search.trials=4"]
+    space = load(compose("sweep", args), SweepConfig).sweep.search.space
+    r = run_here("sweep", *args, "workers=2", "storage=journal", "threads_per_worker=1")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert not (out / "study.db").exists()
+    storage = JournalStorage(JournalFileBackend(str(out / "study.journal")))
+    trials = optuna.load_study(study_name="search_cpu", storage=storage).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
+    assert [t.params for t in trials] == _draws(space, 3, 4)
+    assert {t.user_attrs["worker"] for t in trials} == {"0", "1"}  # both workers ran trials
+    for i in (0, 1):  # each worker's console, and its trials' steps at one thread
+        log = (out / "logs" / f"worker-{i}.log").read_text()
+        assert "trial " in log, log[-2000:]
+    state = json.loads((out / "sweep.json").read_text())
+    assert sorted(p["status"] for p in state["points"]) == ["done"] * 4
+    assert json.loads((out / "report" / "study.json").read_text())["trials"]["complete"] == 4
+
+
+def test_a_killed_workers_trial_is_queued_again_and_a_live_ones_is_not(tmp_path):
+    """A running trial whose worker's lock is free (the worker was killed) fails and is queued
+    again with its values; one whose worker holds its lock is left alone."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from launch.search import _requeue_interrupted
+    from launch.sweep_state import point_lock
+
+    out = tmp_path / "s"
+    (out / "workers").mkdir(parents=True)
+    study = optuna.create_study(storage=f"sqlite:///{out / 'study.db'}", study_name="x")
+    for worker in ("dead", "alive", "me"):  # "me": the asking worker's own, from a killed run
+        t = study.ask()
+        t.suggest_float("optim.lr", 0.01, 1.0)
+        t.set_user_attr("worker", worker)
+    with point_lock(out / "workers" / "alive.lock") as held:  # a live worker, in another fd
+        assert held
+        assert _requeue_interrupted(study, out, "me") == 2
+    trials = study.get_trials()
+    assert [t.state for t in trials[:3]] == [TrialState.FAIL, TrialState.RUNNING, TrialState.FAIL]
+    queued = [t for t in trials if t.state == TrialState.WAITING]
+    assert [t.user_attrs["requeued_from"] for t in queued] == [0, 2]
+    fixed = [t.system_attrs["fixed_params"] for t in queued]  # what their ask will suggest
+    assert fixed == [trials[0].params, trials[2].params]
 
 
 def test_search_space_schema():
@@ -167,3 +247,33 @@ def test_a_corrupt_study_fails_naming_the_file_and_the_fix(tmp_path):
     with pytest.raises(UserError, match="is corrupt"):
         check_study(db)
     check_study(out / "missing.db")
+
+
+@pytest.mark.skipif(not slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
+def test_search_workers_as_slurm_jobs(tiny_prepared, tmp_path):
+    """backend=slurm workers=2: two SLURM jobs, each a worker of the one journal study."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    from optuna.trial import TrialState
+
+    out = tmp_path / "search"
+    slurm = ["backend=slurm", "workers=2", "storage=journal", "slurm.gpus_per_node=0",
+             "slurm.cpus_per_task=1", "slurm.time=00:10:00"]  # fmt: skip
+    r = run("sweep", *search_args(out, tiny_prepared), *slurm)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count("submitted search worker slurm-") == 2
+    jobs = set(json.loads((out / "sweep.json").read_text())["jobs"].values())
+    deadline = time.time() + 400
+    while time.time() < deadline:  # until both jobs have left the queue
+        queued = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True)
+        if not jobs & set(queued.stdout.split()):
+            break
+        time.sleep(0.5)
+    logs = " ".join(p.read_text()[-1500:] for p in out.rglob("slurm-*.out"))
+    storage = JournalStorage(JournalFileBackend(str(out / "study.journal")))
+    trials = optuna.load_study(study_name="search_cpu", storage=storage).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2, logs
+    assert {t.user_attrs["worker"] for t in trials} <= {"slurm-0", "slurm-1"}
+    log = " ".join(p.read_text() for p in (out / "logs").glob("*.log"))
+    assert "$ srun --kill-on-bad-exit=1 " in log  # trials trained as job steps
