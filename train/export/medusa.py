@@ -151,8 +151,12 @@ def _read_vllm(src: Path, cfg: dict, base_id: str) -> Parsed:
         ours["draft.to_full"] = draft
     hidden = ours["mlps.0.0.linear.weight"].shape[1]
     draft_size = None if draft is None else int(draft.numel())
-    head = head_config(
-        "medusa", num_heads=k_heads, num_layers=n_layers, draft_vocab_size=draft_size
+    head = head_config(  # each block its own tensors in the file: untied, as before
+        "medusa",
+        num_heads=k_heads,
+        num_layers=n_layers,
+        draft_vocab_size=draft_size,
+        tie_blocks=False,
     )
     return Parsed(head, hidden, vocab, ours, base_id)
 
@@ -165,5 +169,5 @@ def _read_fasterdecoding(path: Path, cfg: dict, base_id: str) -> Parsed:
     ours = {o: take(t) for o, _, t in _names(k_heads, n_layers)}
     take.done()
     vocab, hidden = ours["lm_heads.0.weight"].shape
-    head = head_config("medusa", num_heads=k_heads, num_layers=n_layers)
+    head = head_config("medusa", num_heads=k_heads, num_layers=n_layers, tie_blocks=False)
     return Parsed(head, hidden, vocab, ours, base_id)
