@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from train.core.atomic import staged_dir
 from train.core.base import BaseConfig, load_base
 
 CHUNK_BATCHES = 16  # batches per saved chunk: the unit of resumption and of sharing out
@@ -79,11 +79,9 @@ def _save_chunk(path: Path, hidden: list[np.ndarray], H: int) -> None:
     from datasets import Array2D, Dataset, Features
 
     feats = Features({"hidden": Array2D(shape=(None, H), dtype="float16")})
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with _quiet_datasets():  # a bar per chunk would bury the caching bar
+    # a chunk dir exists only when complete; a bar per chunk would bury the caching bar
+    with staged_dir(path) as tmp, _quiet_datasets():
         Dataset.from_dict({"hidden": hidden}, features=feats).save_to_disk(str(tmp))
-    os.replace(tmp, path)  # a chunk dir exists only when complete
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from data_prep.normalize import (
     unpack_messages,
 )
 from data_prep.template import TemplateError, chunk, encode_batch, mask_method
-from train.core.atomic import publish_dir, write_json, write_text
+from train.core.atomic import publish_dir, staged_dir, write_json, write_text
 from train.core.errors import UserError
 from train.core.readers import DEFAULT_ROLE_MAP, DataError, SkipLog, iter_records
 
@@ -537,8 +537,8 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
             if ranks.world > 1:  # the samples, for the other ranks to cache their share of
                 shared = _shared_samples(partial, cfg)
                 if not shared.is_dir():
-                    dd.save_to_disk(str(shared.with_name(shared.name + ".tmp")))
-                    os.replace(shared.with_name(shared.name + ".tmp"), shared)
+                    with staged_dir(shared, keep_existing=True) as tmp:
+                        dd.save_to_disk(str(tmp))
             device = _regen_device(cfg.cache_device)
             work = chunk_dir(partial, dd, cfg.base, cfg.cache_batch_size)
             dd = cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device, work, ranks)

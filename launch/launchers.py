@@ -112,9 +112,15 @@ def script_path(sl: SlurmLauncher, out: str) -> Path:
     return Path(sl.script) if sl.script else Path(out) / "launch.sbatch"
 
 
-def sweep_job(cfg, argv: list[str], own: list[str], workdir: Path, script: Path, what: str) -> str:
+def job_argv() -> list[str]:
+    """This sweep command's overrides less those a job it starts is given its own of."""
+    own = ("backend=", "only=", "worker=", "train_prefix=", "job_")
+    return [a for a in sys.argv[1:] if not a.lstrip("+~").startswith(own)]
+
+
+def sweep_job(cfg, own: list[str], workdir: Path, script: Path, what: str) -> str:
     """Submit one sweep job (a train point, or a search worker): `hydra-heads sweep` with this
-    command's overrides `argv`, the job's `own` ones, and training under srun sized to
+    command's overrides, the job's `own` ones, and training under srun sized to
     `cfg.slurm`'s allocation (evals on its first GPU unless the sweep says where). Returns
     the job id; fails naming `what` if sbatch does."""
     import json
@@ -132,7 +138,7 @@ def sweep_job(cfg, argv: list[str], own: list[str], workdir: Path, script: Path,
         else []
     )
     job = [
-        sys.executable, "-m", "launch", "sweep", *argv, "backend=local", *own,
+        sys.executable, "-m", "launch", "sweep", *job_argv(), "backend=local", *own,
         "train_prefix=" + json.dumps(["srun", "--kill-on-bad-exit=1"]),
         "job_train_args=" + json.dumps(job_train),
         "job_eval_args=" + json.dumps(job_eval),

@@ -37,13 +37,13 @@ import logging
 import os
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from launch.config import SweepConfig
 from launch.grid import override_value, unique_slugs
+from launch.launchers import job_argv, sweep_job
 from launch.points import cli, run_point, write_report
 from launch.sweep_state import (
     add_point,
@@ -324,12 +324,6 @@ def run_worker(cfg: SweepConfig, out: Path, worker: str, progress: bool) -> dict
     return read_state(out)
 
 
-def worker_argv(argv: list[str]) -> list[str]:
-    """This command's overrides without the ones each worker is given its own of."""
-    own = ("backend=", "worker=", "train_prefix=", "job_", "only=")
-    return [a for a in argv if not a.lstrip("+~").startswith(own)]
-
-
 def run_workers(cfg: SweepConfig, out: Path, progress: bool) -> dict[str, Any]:
     """`workers` local worker processes (`hydra-heads sweep ... worker=<i>`), each with its
     share of the cores and its console in <out>/logs/worker-<i>.log; this process shows the
@@ -339,7 +333,7 @@ def run_workers(cfg: SweepConfig, out: Path, progress: bool) -> dict[str, Any]:
     study = _study(cfg, out)  # created once here, before the workers open it
     with locked(out / "search.json"):
         _draw_ahead(study, cfg)
-    argv = worker_argv(sys.argv[1:])
+    argv = job_argv()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     procs = []
     for i in range(cfg.workers):
@@ -374,8 +368,6 @@ def submit_workers(cfg: SweepConfig, out: Path) -> dict[str, Any]:
     """backend=slurm: `workers` SLURM jobs, each a worker (`worker=slurm-<i>`) whose trials
     train under srun on the job's allocation, sharing the study (put it on storage every node
     reaches: out= on a shared filesystem with storage=journal, or an RDB URL)."""
-    from launch.launchers import sweep_job
-
     study = _study(cfg, out)
     with locked(out / "search.json"):
         _draw_ahead(study, cfg)
@@ -383,7 +375,7 @@ def submit_workers(cfg: SweepConfig, out: Path) -> dict[str, Any]:
     for i in range(cfg.workers):
         path = wdir / f"worker-{i}.sbatch"
         own = [f"worker=slurm-{i}"]
-        job_id = sweep_job(cfg, worker_argv(sys.argv[1:]), own, wdir, path, f"search worker {i}")
+        job_id = sweep_job(cfg, own, wdir, path, f"search worker {i}")
         record_job(out, f"worker-slurm-{i}", job_id)
         print(f"submitted search worker slurm-{i}: job {job_id} ({path})")
     return read_state(out)

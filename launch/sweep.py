@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -154,15 +153,10 @@ def submit_points(cfg: SweepConfig, out: Path, state: dict) -> dict[str, Any]:
     )
     for tname in sorted(live):
         print(f"{tname}: job {live[tname]} is still queued or running; not submitted again")
-    argv = [
-        a
-        for a in sys.argv[1:]
-        if not a.lstrip("+~").startswith(("backend=", "only=", "train_prefix=", "job_"))
-    ]
     for tname in pending:
         tdir = out / "points" / tname
         path = tdir / "sweep_point.sbatch"
-        job_id = sweep_job(cfg, argv, [f"only={tname}"], tdir, path, f"point {tname}")
+        job_id = sweep_job(cfg, [f"only={tname}"], tdir, path, f"point {tname}")
         record_job(out, tname, job_id)
         print(f"submitted {tname}: job {job_id} ({path})")
     return read_state(out)
