@@ -71,6 +71,7 @@ format: setup
 
 bench: setup
 	$(BIN)/python evaluation/benchmarks/bench_prep.py
+	$(BIN)/python evaluation/benchmarks/bench_prep_memory.py
 	$(BIN)/python evaluation/benchmarks/bench_regen.py
 	$(BIN)/python evaluation/benchmarks/bench_loss_memory.py
 	$(BIN)/python evaluation/benchmarks/bench_train.py

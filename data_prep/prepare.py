@@ -9,7 +9,9 @@ import math
 import os
 import random
 import shutil
+import tempfile
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +31,7 @@ from data_prep.normalize import (
     pack_extras,
     unpack_messages,
 )
+from data_prep.spool import BATCH_ROWS, column_array, iter_batches, spool
 from data_prep.template import TemplateError, chunk, encode_batch, mask_method
 from train.core.atomic import publish_dir, staged_dir, write_json, write_text
 from train.core.errors import UserError
@@ -64,16 +67,25 @@ def resolve_input(data: DataConfig) -> Path:
 
 
 def read_conversations(
-    data: DataConfig, skips: SkipLog, seed: int = 0
-) -> tuple[list[dict], dict[str, Any]]:
+    data: DataConfig, skips: SkipLog, seed: int = 0, work: Path | None = None
+) -> tuple[Any, dict[str, Any]]:
     """Read, normalize and deduplicate conversations; bad rows are skipped and counted. With
-    data.sources: the seeded mixture of those sources (read_mixture)."""
+    data.sources: the seeded mixture of those sources (read_mixture).
+
+    The conversations come as a Dataset of _read_features(), spooled to Arrow files in `work`
+    as they are read (data_prep/spool.py), so a corpus larger than memory reads in bounded
+    memory; without `work`, in a temporary dir removed when the Dataset is collected."""
+    if work is None:
+        work = Path(tempfile.mkdtemp(prefix="hydra-prep-"))
+        rows, info = read_conversations(data, skips, seed, work)
+        weakref.finalize(rows, shutil.rmtree, work, True)
+        return rows, info
     if data.sources is not None:
-        return read_mixture(data, skips, seed)
+        return read_mixture(data, skips, seed, work)
     path = resolve_input(data)
     norm = NormalizeStats()
     rows, n_read, n_row_skips = _read_source(
-        path, data.format, data.max_conversations, data, skips, norm, {}
+        path, data.format, data.max_conversations, data, skips, norm, {}, work / "source.arrow"
     )
     info = {
         "input": str(path),
@@ -85,6 +97,22 @@ def read_conversations(
     return rows, info
 
 
+def _read_features():
+    """Arrow schema of the conversations read (read_conversations' rows)."""
+    from datasets import Features, Sequence, Value
+
+    text = Value("string")
+    return Features(
+        {
+            "conv_id": text,
+            "key": text,
+            "roles": Sequence(text),
+            "contents": Sequence(text),
+            "extras": text,
+        }
+    )
+
+
 def _read_source(
     path: Path,
     fmt: str,
@@ -92,61 +120,70 @@ def _read_source(
     data: DataConfig,
     skips: SkipLog,
     norm: NormalizeStats,
-    seen: dict[str, str | None],
+    seen: dict[bytes, str | None],
+    spool_to: Path,
     source: str | None = None,
-) -> tuple[list[dict], int, int]:
-    """The usable conversations of one input, and (records parsed, parsed ones rejected here).
+) -> tuple[Any, int, int]:
+    """The usable conversations of one input, spooled to the Arrow file `spool_to` as they are
+    read, and (records parsed, parsed ones rejected here).
 
-    `seen` maps the conversation keys taken so far to their source (None outside a mixture),
-    for dedup across sources; a mixed conversation's id is `<source>/<record id>`."""
+    `seen` maps the conversation keys (as bytes) taken so far to their source (None outside a
+    mixture), for dedup across sources: the one thing read that stays in memory, ~100 bytes a
+    conversation. A mixed conversation's id is `<source>/<record id>`."""
     from tqdm.auto import tqdm
 
     role_map = {**DEFAULT_ROLE_MAP, **{k.lower(): v for k, v in (data.roles or {}).items()}}
-    rows: list[dict] = []
-    n_read = 0
-    n_row_skips = 0  # rows that parsed but were rejected here (the reader counts the rest)
-    bar = tqdm(desc=f"reading {path.name}", unit=" conv", total=max_records)
-    for where, record in iter_records(path, fmt, skips, data.split):
-        if max_records is not None and n_read >= max_records:
-            break
-        n_read += 1
-        bar.update()
-        try:
-            msgs = normalize(record, role_map, data.turns_field, norm)
-        except RowError as e:
-            skips.skip(e.reason, where, e.detail)
-            n_row_skips += 1
-            continue
-        key = conversation_key(msgs)
-        if data.dedup and key in seen:
-            if seen[key] == source:
-                skips.skip("duplicate", where, "identical to an earlier conversation")
-            else:
-                detail = f"identical to a conversation of source '{seen[key]}'"
-                skips.skip("cross_source_duplicate", where, detail)
-            n_row_skips += 1
-            continue
-        seen[key] = source
-        cid = record.get("id") if isinstance(record.get("id"), str) else None
-        cid = cid or where.rsplit("/", 1)[-1]
-        rows.append(
-            {
+    counts = {"read": 0, "row_skips": 0}  # row_skips: parsed here but rejected (the reader
+    # counts the rest)
+
+    def usable() -> Iterator[dict]:
+        bar = tqdm(desc=f"reading {path.name}", unit=" conv", total=max_records)
+        for where, record in iter_records(path, fmt, skips, data.split):
+            if max_records is not None and counts["read"] >= max_records:
+                break
+            counts["read"] += 1
+            bar.update()
+            try:
+                msgs = normalize(record, role_map, data.turns_field, norm)
+            except RowError as e:
+                skips.skip(e.reason, where, e.detail)
+                counts["row_skips"] += 1
+                continue
+            key = conversation_key(msgs)
+            digest = bytes.fromhex(key)
+            if data.dedup and digest in seen:
+                if seen[digest] == source:
+                    skips.skip("duplicate", where, "identical to an earlier conversation")
+                else:
+                    detail = f"identical to a conversation of source '{seen[digest]}'"
+                    skips.skip("cross_source_duplicate", where, detail)
+                counts["row_skips"] += 1
+                continue
+            seen[digest] = source
+            cid = record.get("id") if isinstance(record.get("id"), str) else None
+            cid = cid or where.rsplit("/", 1)[-1]
+            yield {
                 "conv_id": f"{source}/{cid}" if source is not None else cid,
                 "key": key,
                 "roles": [m["role"] for m in msgs],
                 "contents": [m["content"] for m in msgs],
                 "extras": pack_extras(msgs),
             }
-        )
-    bar.close()
-    return rows, n_read, n_row_skips
+        bar.close()
+
+    rows = spool(usable(), spool_to, _read_features())
+    return rows, counts["read"], counts["row_skips"]
 
 
-def read_mixture(data: DataConfig, skips: SkipLog, seed: int) -> tuple[list[dict], dict]:
+def read_mixture(
+    data: DataConfig, skips: SkipLog, seed: int, work: Path
+) -> tuple[Any, dict[str, Any]]:
     """The conversations of data.sources, mixed by weight (data_prep.mixture has the rules),
     and read_conversations' info plus "sources" (per-source counts) and "mixture"."""
-    seen: dict[str, str | None] = {}
-    pools: list[list[dict]] = []
+    from datasets import concatenate_datasets
+
+    seen: dict[bytes, str | None] = {}
+    pools: list[Any] = []
     per_source: dict[str, dict[str, Any]] = {}
     norm_total = NormalizeStats()
     paths = [Path(src.path).expanduser() for src in data.sources]
@@ -161,11 +198,19 @@ def read_mixture(data: DataConfig, skips: SkipLog, seed: int) -> tuple[list[dict
         own, norm = SkipLog(), NormalizeStats()
         try:
             rows, n_read, n_row_skips = _read_source(
-                path, src.format, src.max_conversations, data, own, norm, seen, src.name
+                path,
+                src.format,
+                src.max_conversations,
+                data,
+                own,
+                norm,
+                seen,
+                work / f"source-{i}.arrow",
+                src.name,
             )
         except DataError as e:
             raise DataError(f"{where}: {e}") from e
-        if not rows:
+        if not len(rows):
             raise PrepError(
                 f"{where} has no usable conversation (skipped: {dict(own.counts)}); check its "
                 "format and data.turns_field, or remove it"
@@ -186,10 +231,10 @@ def read_mixture(data: DataConfig, skips: SkipLog, seed: int) -> tuple[list[dict
         }
     weights = [s.weight for s in data.sources]
     targets = quotas([len(p) for p in pools], weights, data.max_conversations)
-    mixed: list[dict] = []
+    parts = []
     for src, pool, target in zip(data.sources, pools, targets, strict=True):
         chosen = select(len(pool), target, seed, src.name)
-        mixed.extend(pool[j] for j in chosen)
+        parts.append(pool.select(chosen))
         st = per_source[src.name]
         st.update(
             share=round(src.weight / sum(weights), 6),
@@ -203,6 +248,7 @@ def read_mixture(data: DataConfig, skips: SkipLog, seed: int) -> tuple[list[dict
                 f"short of its share ({target} of {sum(targets)}); the mixture holds all of them "
                 "and is that much smaller"
             )
+    mixed = concatenate_datasets(parts)
     info = {
         "input": ", ".join(f"{name}={s['path']}" for name, s in per_source.items()),
         "records_read": sum(s["records_read"] for s in per_source.values()),
@@ -223,11 +269,11 @@ def read_mixture(data: DataConfig, skips: SkipLog, seed: int) -> tuple[list[dict
 def _source_stats(info: dict, skips: SkipLog, kept) -> dict[str, dict[str, Any]]:
     """read_mixture's per-source counts completed with what happened after selection: each
     source's conversations kept and its skips in tokenization (and regeneration)."""
-    kept_by = Counter(
-        cid.split("/", 1)[0]
-        for cid, p in zip(kept["conv_id"], kept["piece"], strict=True)
-        if p == 0
-    )
+    kept_by: Counter = Counter()
+    for b in iter_batches(kept, ["conv_id", "piece"]):
+        kept_by.update(
+            cid.split("/", 1)[0] for cid, p in zip(b["conv_id"], b["piece"], strict=True) if p == 0
+        )
     total = sum(kept_by.values())
     later = getattr(skips, "by_source", {})
     out = {}
@@ -317,34 +363,51 @@ def _features(final: bool = False):
     return Features({**cols, "conv_tokens": i32, "piece": i32, "split": text, "skip_reason": text})
 
 
-def pack_rows(rows: list[dict], max_length: int, seed: int) -> list[dict]:
-    """Greedily concatenate samples (in a seeded random order) into rows of <= max_length.
+def pack_samples(part, max_length: int, seed: int) -> Iterator[dict]:
+    """Greedily concatenate the samples of the Dataset `part` (in a seeded random order) into
+    rows of <= max_length, yielded one at a time: the order and the rule need the lengths only,
+    and the samples are read a block of rows at a time.
 
     `seq_lens` keeps each row's segment lengths so training can keep attention inside a segment.
     """
-    order = list(range(len(rows)))
+    lengths = column_array(part, "length")
+    order = list(range(len(part)))
     random.Random(seed).shuffle(order)
-    packed: list[dict] = []
-    cur: dict | None = None
+    groups: list[list[int]] = []  # the samples of each packed row, in packing order
+    total = max_length + 1
     for i in order:
-        r = rows[i]
-        if cur is not None and cur["length"] + r["length"] <= max_length:
-            for k in ("input_ids", "loss_mask", "length", "num_trainable"):
-                cur[k] += r[k]
-            cur["seq_lens"].append(r["length"])
-            cur["conv_id"] += "+" + r["conv_id"]
-            continue
-        if cur is not None:
-            packed.append(cur)
-        ids, mask = list(r["input_ids"]), list(r["loss_mask"])
-        cur = {**r, "input_ids": ids, "loss_mask": mask, "seq_lens": [r["length"]]}
-    if cur is not None:
-        packed.append(cur)
-    return packed
+        n = int(lengths[i])
+        if groups and total + n <= max_length:
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    cols = ["conv_id", "input_ids", "loss_mask", "length", "num_trainable"]
+    for start in range(0, len(groups), BATCH_ROWS):
+        block = groups[start : start + BATCH_ROWS]
+        flat = [i for g in block for i in g]
+        where = {i: j for j, i in enumerate(flat)}
+        rows = part.select_columns(cols).select(flat).to_dict()
+        for g in block:
+            js = [where[i] for i in g]
+            ids: list[int] = []
+            mask: list[int] = []
+            for j in js:
+                ids += rows["input_ids"][j]
+                mask += rows["loss_mask"][j]
+            yield {
+                "conv_id": "+".join(rows["conv_id"][j] for j in js),
+                "input_ids": ids,
+                "loss_mask": mask,
+                "length": sum(rows["length"][j] for j in js),
+                "num_trainable": sum(rows["num_trainable"][j] for j in js),
+                "seq_lens": [rows["length"][j] for j in js],
+            }
 
 
-def _percentiles(values: list[int]) -> dict[str, float]:
-    if not values:
+def _percentiles(values) -> dict[str, float]:
+    if not len(values):
         return {}
     a = np.asarray(values)
     return {
@@ -361,8 +424,14 @@ def _deterministic_fingerprint(ds, tag: str) -> None:
     """datasets gives fresh datasets a random fingerprint; derive it from content instead so that
     the same inputs produce byte-identical output directories."""
     h = hashlib.sha256(tag.encode())
-    for col in ("conv_id", "length"):
-        h.update(json.dumps(list(ds[col])).encode())
+    for col in ("conv_id", "length"):  # the bytes of json.dumps(ds[col]), a batch at a time
+        h.update(b"[")
+        first = True
+        for b in iter_batches(ds, [col]):
+            for v in b[col]:
+                h.update((json.dumps(v) if first else ", " + json.dumps(v)).encode())
+                first = False
+        h.update(b"]")
     ds._fingerprint = h.hexdigest()[:16]
 
 
@@ -386,9 +455,10 @@ def chat_tokenizer(base):
     return tokenizer
 
 
-def tokenize(rows: list[dict], tokenizer, cfg: PrepConfig):
-    """Conversations (read_conversations' rows) -> a Dataset of _features(), one row per sample
-    or per skipped conversation (its skip_reason set). Returns (it, the processes used)."""
+def tokenize(rows, tokenizer, cfg: PrepConfig, work: Path | None = None):
+    """Conversations (read_conversations' Dataset, or a list of its rows) -> a Dataset of
+    _features(), one row per sample or per skipped conversation (its skip_reason set), written
+    to `work` (default: a temporary dir) as it is made. Returns (it, the processes used)."""
     import datasets
 
     datasets.disable_caching()
@@ -398,7 +468,12 @@ def tokenize(rows: list[dict], tokenizer, cfg: PrepConfig):
     num_proc = cfg.num_proc or max(1, min((os.cpu_count() or 1) // 2, 8))
     if len(rows) < 4 * cfg.batch_size:
         num_proc = 1  # process start-up would cost more than it saves
-    raw = datasets.Dataset.from_list(rows)
+    if isinstance(rows, list):
+        rows = datasets.Dataset.from_list(rows)  # regenerated rows: their own columns
+    raw = rows
+    if work is None:
+        work = Path(tempfile.mkdtemp(prefix="hydra-prep-"))
+    work.mkdir(parents=True, exist_ok=True)
     map_cfg = {**cfg.data.model_dump(), "seed": cfg.seed}  # plain values: pickled to workers
     map_cfg["mask_method"] = mask_method(tokenizer, tuple(cfg.data.loss_roles))
     tok = raw.map(
@@ -409,6 +484,7 @@ def tokenize(rows: list[dict], tokenizer, cfg: PrepConfig):
         remove_columns=raw.column_names,
         fn_kwargs={"tokenizer": tokenizer, "cfg": map_cfg},
         features=_features(),
+        cache_file_name=str(work / "tokenized.arrow"),
         desc=f"tokenizing ({num_proc} proc)",
     )
     return tok, num_proc
@@ -417,21 +493,24 @@ def tokenize(rows: list[dict], tokenizer, cfg: PrepConfig):
 def kept_samples(tok, skips: SkipLog):
     """Count `tok`'s skipped conversations in `skips`; returns (its kept samples, the token
     count of each tokenized conversation before any cut). PrepError if none is kept."""
-    for cid, r in zip(tok["conv_id"], tok["skip_reason"], strict=True):
-        if r:
-            skips.skip(r, f"conversation {cid}")
-    conv_lengths = [
-        n for n, p in zip(tok["conv_tokens"], tok["piece"], strict=True) if p == 0 and n > 0
-    ]
+    lengths = []
+    for b in iter_batches(tok, ["conv_id", "skip_reason", "conv_tokens", "piece"]):
+        for cid, r in zip(b["conv_id"], b["skip_reason"], strict=True):
+            if r:
+                skips.skip(r, f"conversation {cid}")
+        n, p = np.asarray(b["conv_tokens"]), np.asarray(b["piece"])
+        lengths.append(n[(p == 0) & (n > 0)])
+    conv_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
     kept = tok.filter(lambda r: [x == "" for x in r], input_columns="skip_reason", batched=True)
     if len(kept) == 0:
         raise PrepError(f"every conversation was dropped (skipped: {dict(skips.counts)})")
     return kept, conv_lengths
 
 
-def split_samples(kept, split: str, cfg: PrepConfig):
-    """The `split` samples of `kept`, packed if data.pack, in the saved columns (with seq_lens)
-    and with a fingerprint derived from their content."""
+def split_samples(kept, split: str, cfg: PrepConfig, work: Path | None = None):
+    """The `split` samples of `kept`, packed if data.pack (spooled to `work`, default a
+    temporary dir), in the saved columns (with seq_lens) and with a fingerprint derived from
+    their content."""
     from datasets import Dataset
 
     part = kept.filter(lambda s: [x == split for x in s], input_columns="split", batched=True)
@@ -439,12 +518,18 @@ def split_samples(kept, split: str, cfg: PrepConfig):
     if len(part) == 0:
         part = Dataset.from_dict({c: [] for c in _features(True)}, features=_features(True))
     elif cfg.data.pack:
-        part = Dataset.from_list(pack_rows(part.to_list(), cfg.data.max_length, cfg.seed))
+        work = work or Path(tempfile.mkdtemp(prefix="hydra-prep-"))
+        packed = pack_samples(part, cfg.data.max_length, cfg.seed)
+        part = spool(packed, work / f"packed-{split}.arrow", _features(True))
     else:
         part = part.map(
-            lambda r: {"seq_lens": [[n] for n in r]}, input_columns="length", batched=True
+            lambda r: {"seq_lens": [[n] for n in r]},
+            input_columns="length",
+            batched=True,
+            cache_file_name=str(work / f"split-{split}.arrow") if work else None,
         )
-    part = part.cast(_features(True))
+    if part.features != _features(True):
+        part = part.cast(_features(True))
     _deterministic_fingerprint(part, f"{split}:{cfg.seed}")
     return part
 
@@ -489,14 +574,17 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     timing["load_tokenizer_s"] = time.perf_counter() - t_start
     sources = cfg.data.sources
     skips = SourceSkips(sources=tuple(s.name for s in sources)) if sources else SkipLog()
+    partial.mkdir(parents=True, exist_ok=True)
+    for stale in partial.glob("spool-*"):  # a killed run's working files
+        shutil.rmtree(stale, ignore_errors=True)
+    work = partial / f"spool-{os.getpid()}"
     with _timed(timing, "read_s"):
-        rows, read_info = read_conversations(cfg.data, skips, cfg.seed)
-    if not rows:
+        rows, read_info = read_conversations(cfg.data, skips, cfg.seed, work)
+    if not len(rows):
         raise PrepError(
             f"no usable conversation in {read_info['input']} (skipped: "
             f"{dict(skips.counts)}); check data.format / data.turns_field"
         )
-    partial.mkdir(parents=True, exist_ok=True)
     if cfg.regenerate:
         from data_prep.regenerate import regenerate
         from train.core.base import load_base
@@ -517,7 +605,7 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
                 use_weight_layout(
                     base.model, layout=cfg.regen.weight_layout, key="regen.weight_layout"
                 )
-            rows = regenerate(rows, base, cfg.regen, partial / "regen", cfg.seed, skips)
+            rows = regenerate(rows.to_list(), base, cfg.regen, partial / "regen", cfg.seed, skips)
         if not rows:
             raise PrepError(
                 f"regeneration left no conversation (skipped {dict(skips.counts)}); for empty "
@@ -525,11 +613,11 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
                 "prompts a larger regen.max_prompt_tokens or a smaller regen.max_new_tokens"
             )
     with _timed(timing, "tokenize_s"):
-        tok, num_proc = tokenize(rows, tokenizer, cfg)
+        tok, num_proc = tokenize(rows, tokenizer, cfg, work)
     kept, conv_lengths = kept_samples(tok, skips)
     if sources:
         read_info["sources"] = _source_stats(read_info, skips, kept)
-    dd = DatasetDict({split: split_samples(kept, split, cfg) for split in SPLITS})
+    dd = DatasetDict({split: split_samples(kept, split, cfg, work) for split in SPLITS})
     if cfg.cache_hidden:
         from data_prep.hidden import cache_hidden_states, chunk_dir
 
@@ -592,37 +680,34 @@ def _regen_device(device: str) -> str:
     return device
 
 
-def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths: list[int], tokenizer) -> dict:
+def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths, tokenizer) -> dict:
     per_split = {}
+    max_id = 0
     for split, part in dd.items():
+        lengths = column_array(part, "length")
         per_split[split] = {
             "samples": len(part),
-            "tokens": int(sum(part["length"])),
-            "trainable_tokens": int(sum(part["num_trainable"])),
-            "length_percentiles": _percentiles(list(part["length"])),
+            "tokens": int(lengths.sum()),
+            "trainable_tokens": int(column_array(part, "num_trainable").sum()),
+            "length_percentiles": _percentiles(lengths),
         }
-    pieces = kept["piece"]
-    max_id = max(
-        (
-            int(pc.max(part.data.column("input_ids").combine_chunks().flatten()).as_py() or 0)
-            for part in dd.values()
-            if len(part)
-        ),
-        default=0,
-    )
+        for ids in part.with_format("arrow").select_columns(["input_ids"]).iter(BATCH_ROWS):
+            top = pc.max(ids.column("input_ids").combine_chunks().flatten()).as_py()
+            max_id = max(max_id, int(top or 0))
+    pieces = column_array(kept, "piece")
     return {
         "input": read_info["input"],
         "base": cfg.base.name,
         "records_read": read_info["records_read"],
-        "conversations_kept": sum(1 for p in pieces if p == 0),
+        "conversations_kept": int((pieces == 0).sum()),
         "skipped": dict(sorted(skips.counts.items())),
         "skipped_total": int(sum(skips.counts.values())),
         "skipped_examples": skips.examples,
         "warnings": skips.warnings,
         "leading_assistant_turns_dropped": read_info["leading_assistant_turns_dropped"],
         "trailing_user_turns_dropped": read_info["trailing_user_turns_dropped"],
-        "conversations_split": sum(1 for p in pieces if p == 1),
-        "conversations_over_max_length": sum(1 for n in conv_lengths if n > cfg.data.max_length),
+        "conversations_split": int((pieces == 1).sum()),
+        "conversations_over_max_length": int((conv_lengths > cfg.data.max_length).sum()),
         "conversation_token_percentiles": _percentiles(conv_lengths),
         "max_length": cfg.data.max_length,
         "long_conversations": cfg.data.long_conversations,

@@ -144,6 +144,53 @@ def test_packing_concatenates_samples_and_keeps_boundaries(tmp_path):
     assert max(len(r) for r in packed["seq_lens"]) > 1
 
 
+def test_packing_is_the_greedy_rule_over_the_seeded_order(tmp_path):
+    """Packed rows are the plain samples taken in random.Random(seed)'s shuffled order, each
+    joining the row before it while the row stays <= max_length: packing is streamed from the
+    lengths and read back in blocks, and must still be exactly this rule."""
+    import random
+
+    data = _many(tmp_path, 60)
+    prepare(_cfg(tmp_path, data, "data.max_length=512", "seed=3"))
+    plain = datasets.load_from_disk(str(tmp_path / "out"))["train"]
+    prepare(
+        _cfg(tmp_path, data, "data.max_length=512", "data.pack=true", "seed=3", "overwrite=true")
+    )
+    packed = datasets.load_from_disk(str(tmp_path / "out"))["train"]
+    order = list(range(len(plain)))
+    random.Random(3).shuffle(order)
+    rows: list[list[int]] = []
+    for i in order:
+        if rows and sum(plain[j]["length"] for j in rows[-1]) + plain[i]["length"] <= 512:
+            rows[-1].append(i)
+        else:
+            rows.append([i])
+    assert packed["conv_id"] == ["+".join(plain[j]["conv_id"] for j in r) for r in rows]
+    assert packed["seq_lens"] == [[plain[j]["length"] for j in r] for r in rows]
+    for got, r in zip(packed, rows, strict=True):
+        assert got["input_ids"] == [t for j in r for t in plain[j]["input_ids"]]
+        assert got["loss_mask"] == [m for j in r for m in plain[j]["loss_mask"]]
+
+
+@pytest.mark.parametrize("pack", ["false", "true"])
+def test_the_corpus_never_becomes_python_rows(tmp_path, monkeypatch, pack):
+    """prep streams: the conversations and samples stay in Arrow files, never a list of Python
+    rows (which is what made memory grow with the corpus), and the output is unchanged."""
+    data = _many(tmp_path, 60)
+    prepare(_cfg(tmp_path, data, f"data.pack={pack}"))
+    before = datasets.load_from_disk(str(tmp_path / "out"))["train"].to_dict()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("prep built the corpus as Python rows")
+
+    monkeypatch.setattr(datasets.Dataset, "from_list", refuse)
+    monkeypatch.setattr(datasets.Dataset, "to_list", refuse)
+    prepare(_cfg(tmp_path, data, f"data.pack={pack}", "overwrite=true"))
+    monkeypatch.undo()
+    assert datasets.load_from_disk(str(tmp_path / "out"))["train"].to_dict() == before
+    assert not list((tmp_path / "out.partial").glob("*"))  # its working files are gone
+
+
 def test_existing_output_is_refused_then_replaced_atomically(tmp_path, defects_jsonl, monkeypatch):
     prepare(_cfg(tmp_path, defects_jsonl))
     before = _tree_digest(tmp_path / "out")
@@ -178,3 +225,21 @@ def test_nothing_usable_is_a_clear_error(tmp_path):
     bad.write_text('{"text": "no chat here"}\n')
     with pytest.raises(PrepError, match="no usable conversation"):
         prepare(_cfg(tmp_path, bad))
+
+
+def test_read_conversations_without_a_work_dir_removes_its_spool(tmp_path, monkeypatch):
+    """Called without `work` (the benchmarks), the rows are spooled to a temp dir that goes
+    away with the Dataset, not left behind in /tmp."""
+    import gc
+    import tempfile
+
+    from data_prep.prepare import read_conversations
+    from train.core.readers import SkipLog
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    rows, info = read_conversations(_cfg(tmp_path, _many(tmp_path, 5)).data, SkipLog())
+    spools = list(tmp_path.glob("hydra-prep-*"))
+    assert len(rows) == 5 and len(spools) == 1 and any(spools[0].iterdir())
+    del rows
+    gc.collect()
+    assert not spools[0].exists()

@@ -6,7 +6,16 @@ import json
 
 import pytest
 
+from train.core import readers
 from train.core.readers import DataError, SkipLog, detect_format, iter_records
+
+
+@pytest.fixture(autouse=True, params=[8 << 20, 5], ids=["one_chunk", "5_byte_chunks"])
+def chunk_bytes(request, monkeypatch):
+    """Every test reads JSON arrays whole (one chunk) and in 5-byte chunks, so that records,
+    strings, numbers, multi-byte characters and bad bytes all straddle a chunk boundary."""
+    monkeypatch.setattr(readers, "CHUNK_BYTES", request.param)
+    return request.param
 
 
 def _write_array(path, records, tail=b""):
@@ -46,6 +55,32 @@ def test_corrupt_record_in_the_middle_is_skipped_and_reading_continues(tmp_path)
     skips = SkipLog()
     assert [r["a"] for _, r in iter_records(p, "json", skips)] == [1, 3]
     assert skips.counts == {"invalid_json": 1}
+
+
+def test_json_array_read_in_chunks_yields_what_json_load_does(tmp_path):
+    recs = [
+        {"id": str(i), "n": 12345678901234567890 + i, "f": -1.5e-3, "t": True, "z": None}
+        for i in range(4)
+    ]
+    recs += [{"text": 'caf\u00e9 \u4e2d\u6587 \U0001f600 \\" ]},{', "esc": "\\u00e9"}, 7, "x"]
+    p = tmp_path / "a.json"
+    p.write_bytes(b"\xef\xbb\xbf " + json.dumps(recs, ensure_ascii=False).encode() + b"  \n")
+    skips = SkipLog()
+    assert [r for _, r in iter_records(p, "json", skips)] == recs
+    assert skips.counts == {} and skips.warnings == []
+
+
+def test_truncated_array_offset_is_the_same_in_chunks(tmp_path):
+    """The byte offset of a cut is counted in bytes, not characters, across chunks."""
+    recs = [{"id": str(i), "text": "\u00e9\u4e2d" * 7} for i in range(6)]
+    data = json.dumps(recs, ensure_ascii=False).encode()
+    cut_at = data.index(b'"id": "5"') + 3
+    p = tmp_path / "cut.json"
+    p.write_bytes(data[:cut_at])
+    skips = SkipLog()
+    assert len(list(iter_records(p, "json", skips))) == 5
+    start = data.rindex(b"{", 0, cut_at)
+    assert any(f"starting at byte {start} " in w for w in skips.warnings), skips.warnings
 
 
 def test_jsonl_bad_lines_and_encoding_are_counted(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import re
@@ -89,17 +90,6 @@ def _value_end(text: str, i: int) -> int | None:
             return pos
 
 
-def _decode_text(raw: bytes, where: str, skips: SkipLog) -> str:
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        skips.warn(
-            f"{where}: not valid UTF-8 at byte {e.start}; undecodable bytes are kept as escapes "
-            "and the records that contain them are skipped as 'bad_encoding'"
-        )
-        return raw.decode("utf-8", errors="surrogateescape")
-
-
 def _has_bad_chars(obj: Any) -> bool:
     """True when a decoded record still holds undecodable bytes (lone surrogates)."""
     if isinstance(obj, str):
@@ -115,37 +105,90 @@ def _has_bad_chars(obj: Any) -> bool:
     return False
 
 
-def iter_json_array(path: Path, skips: SkipLog) -> Iterator[tuple[str, Any]]:
-    """Yield (location, record) from a JSON array file, record by record.
+CHUNK_BYTES = 8 << 20  # a JSON array file is read this many bytes at a time
+_BAD_BYTE = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of a non-UTF-8 byte
 
-    A file cut short mid-record (an interrupted download, or the bundled ShareGPT file) keeps
-    every complete record and records a warning with the byte offset of the cut. A corrupt
-    record in the middle is skipped as 'invalid_json' and reading resumes at the next record.
-    """
-    text = _decode_text(path.read_bytes(), str(path), skips)
+
+class _Window:
+    """The part of a JSON array file not yet parsed, as text, read CHUNK_BYTES at a time.
+
+    Positions are indices into `text`; `offset(i)` is the byte offset in the file (after a
+    BOM) of index i, as a whole-file read would give it. Bytes that are not UTF-8 are kept as
+    escapes (surrogateescape), which `_has_bad_chars` finds in a record; the first one is
+    warned about once, with its byte offset."""
+
+    def __init__(self, f, where: str, skips: SkipLog):
+        self.f, self.where, self.skips = f, where, skips
+        self.decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="surrogateescape")
+        self.text = ""
+        self.base = 0  # bytes (after a BOM) before text[0]
+        self.eof = False
+        self.warned = False
+
+    def more(self) -> bool:
+        """Read the next chunk onto the window; False at the end of the file."""
+        if self.eof:
+            return False
+        raw = self.f.read(CHUNK_BYTES)
+        self.eof = not raw
+        new = self.decoder.decode(raw, final=self.eof)
+        if not self.warned and (bad := _BAD_BYTE.search(new)):
+            self.warned = True
+            at = self.offset(len(self.text)) + len(
+                new[: bad.start()].encode("utf-8", "surrogateescape")
+            )
+            self.skips.warn(
+                f"{self.where}: not valid UTF-8 at byte {at}; undecodable bytes are kept as "
+                "escapes and the records that contain them are skipped as 'bad_encoding'"
+            )
+        self.text += new
+        return bool(raw) or bool(new)
+
+    def offset(self, i: int) -> int:
+        return self.base + len(self.text[:i].encode("utf-8", "surrogateescape"))
+
+    def drop(self, i: int) -> int:
+        """Forget text[:i] (parsed); returns the index in the new text of the old index i."""
+        if i >= CHUNK_BYTES:
+            self.base = self.offset(i)
+            self.text = self.text[i:]
+            return 0
+        return i
+
+
+def _array_records(win: _Window, path: Path, skips: SkipLog) -> Iterator[tuple[str, Any]]:
     dec = json.JSONDecoder()
-    n = len(text)
-    i = _SPACE.match(text).end()
-    if i >= n or text[i] != "[":
+    while True:
+        i = _SPACE.match(win.text).end()
+        if i < len(win.text) or not win.more():
+            break
+    if i >= len(win.text) or win.text[i] != "[":
         raise DataError(f"{path} is not a JSON array (expected '[' at the start)")
     i += 1
     index = 0
     while True:
-        i = _SEPARATORS.match(text, i).end()
-        if i >= n:
+        i = win.drop(i)
+        i = _SEPARATORS.match(win.text, i).end()
+        if i >= len(win.text):
+            if win.more():
+                continue
             skips.warn(
-                f"{path}: JSON array is not closed (file ends at byte "
-                f"{len(text.encode('utf-8', 'surrogateescape'))}); kept {index} records"
+                f"{path}: JSON array is not closed (file ends at byte {win.offset(i)}); kept "
+                f"{index} records"
             )
             return
-        if text[i] == "]":
+        if win.text[i] == "]":
             return
         try:
-            obj, end = dec.raw_decode(text, i)
+            obj, end = dec.raw_decode(win.text, i)
+            if end >= len(win.text) and win.more():  # a number or word may go on
+                continue
         except json.JSONDecodeError as e:
-            end = _value_end(text, i) if text[i] in "{[" else None
+            end = _value_end(win.text, i) if win.text[i] in "{[" else None
+            if end is None and win.more():  # the record goes on in the next chunk
+                continue
             if end is None:
-                offset = len(text[:i].encode("utf-8", "surrogateescape"))
+                offset = win.offset(i)
                 skips.skip("truncated_record", f"{path.name}#{index}", f"record at byte {offset}")
                 skips.warn(
                     f"{path} is truncated: the record starting at byte {offset} is incomplete "
@@ -157,6 +200,18 @@ def iter_json_array(path: Path, skips: SkipLog) -> Iterator[tuple[str, Any]]:
             yield f"{path.name}#{index}", obj
         index += 1
         i = end
+
+
+def iter_json_array(path: Path, skips: SkipLog) -> Iterator[tuple[str, Any]]:
+    """Yield (location, record) from a JSON array file, record by record, reading the file
+    CHUNK_BYTES at a time (memory: a chunk and the longest record, not the file).
+
+    A file cut short mid-record (an interrupted download, or the bundled ShareGPT file) keeps
+    every complete record and records a warning with the byte offset of the cut. A corrupt
+    record in the middle is skipped as 'invalid_json' and reading resumes at the next record.
+    """
+    with open(path, "rb") as f:
+        yield from _array_records(_Window(f, str(path), skips), path, skips)
 
 
 def iter_jsonl(path: Path, skips: SkipLog) -> Iterator[tuple[str, Any]]:
