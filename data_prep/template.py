@@ -39,8 +39,9 @@ def loss_spans(
 
     The span of message i is what rendering messages[: i + 1] adds to rendering messages[:i]
     followed by the generation prompt: the reply and its end-of-turn token, without the
-    assistant header. Trailing whitespace after the end-of-turn token is left out. This works
-    for any template whose renderings of a growing conversation are prefixes of each other.
+    assistant header. Trailing whitespace after the end-of-turn token is left out. Templates
+    whose renderings of a growing conversation are not prefixes of each other (Qwen3, Phi-3)
+    have each turn found in the full rendering instead (_searched_spans).
     """
     text, spans, user_starts = _turn_spans(tokenizer, messages, loss_roles)
     return text, [(a, b) for _, a, b in spans], user_starts
@@ -49,8 +50,21 @@ def loss_spans(
 def _turn_spans(
     tokenizer, messages: list[dict], loss_roles: tuple[str, ...]
 ) -> tuple[str, list[tuple[int, int, int]], list[int]]:
-    """loss_spans() with each span's message index: (text, [(i, start, end)], user starts)."""
+    """loss_spans() with each span's message index: (text, [(i, start, end)], user starts).
+
+    Templates that re-render earlier turns once the conversation goes on (Qwen3 drops the
+    `<think>` block of every reply before the last user turn; Phi-3 ends a rendering with an
+    end-of-text token that its continuation does not have) take _searched_spans()."""
     text = render(tokenizer, messages)
+    try:
+        return text, *_prefix_spans(tokenizer, messages, loss_roles, text)
+    except TemplateError:
+        return text, *_searched_spans(tokenizer, messages, loss_roles, text)
+
+
+def _prefix_spans(tokenizer, messages, loss_roles, text):
+    """Spans as what rendering messages[: i + 1] adds to messages[:i] + the generation prompt;
+    TemplateError when a rendering is not a prefix of the next."""
     spans: list[tuple[int, int, int]] = []
     user_starts: list[int] = []
     prev = ""  # rendering of messages[:i]
@@ -71,7 +85,64 @@ def _turn_spans(
             if end > len(head):
                 spans.append((i, len(head), end))
         prev = full
-    return text, spans, user_starts
+    return spans, user_starts
+
+
+_NON_SPACE = re.compile(r"\S*")
+
+
+def _searched_spans(tokenizer, messages, loss_roles, text):
+    """Spans found in the full rendering, in message order, each before the next message's
+    content. A loss turn's span is the longest tail of what the template renders for it as the
+    last turn (after the generation prompt) that the full text has there: all of it where the
+    template renders history as it renders the last turn; without the parts it drops from
+    history (Qwen3's think block) otherwise, so a turn of tool calls alone keeps its calls.
+    A tail that misses the content falls back to the content and its end-of-turn marker (the
+    non-space run the template puts right after the content). TemplateError when a turn's
+    content is not in the rendering (a template that rewrites contents)."""
+    bodies = [(m.get("content") or "").strip() for m in messages]
+    spans: list[tuple[int, int, int]] = []
+    user_starts: list[int] = []
+    cursor, last_end = 0, None
+    for i, m in enumerate(messages):
+        if m["role"] == "user" and i > 0 and messages[i - 1]["role"] == "assistant":
+            p = cursor if last_end is None else last_end
+            user_starts.append(p + len(text[p:]) - len(text[p:].lstrip()))
+        last_end, body = None, bodies[i]
+        at = text.find(body, cursor) if body else cursor
+        if m["role"] not in loss_roles:
+            cursor = at + len(body) if at >= 0 else cursor
+            continue
+        if at < 0:
+            raise TemplateError(
+                f"the chat template rewrites earlier turns and message {i}'s content is not "
+                "in its rendering, so reply tokens cannot be located"
+            )
+        nxt = next((bodies[j] for j in range(i + 1, len(messages)) if bodies[j]), "")
+        stop = text.find(nxt, at + len(body)) if nxt else len(text)
+        stop = len(text) if stop < 0 else stop
+        head = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        alone = render(tokenizer, messages[: i + 1])
+        own = alone[len(head) :].rstrip() if alone.startswith(head) else ""
+        lo, hi = 0, len(own)  # the longest tail of `own` in text[cursor:stop] (monotone)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if text.find(own[-mid:], cursor, stop) >= 0 else (lo, mid - 1)
+        a = text.find(own[len(own) - lo :], cursor, stop) if lo else -1
+        b = a + lo
+        q = alone.rfind(body) if body else -1
+        marker = _NON_SPACE.match(alone, q + len(body)).group() if q >= 0 else ""
+        if a >= 0:
+            a += len(text[a:b]) - len(text[a:b].lstrip())
+        if a < 0 or (body and body not in text[a:b]) or len(text[a:b]) <= len(marker):
+            if not body:
+                continue  # nothing of this turn found to learn
+            a, b = at, at + len(body)
+            if marker and text.startswith(marker, b):
+                b += len(marker)
+        spans.append((i, a, b))
+        cursor = last_end = b
+    return spans, user_starts
 
 
 def mask_from_offsets(

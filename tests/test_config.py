@@ -72,6 +72,8 @@ def test_every_group_option_composes_and_validates(group):
                 overrides.append(f"data.path={Path(__file__)}")
             if group == "data" and "sources: ???" in text:
                 overrides.append(f"data.sources=[{{path: {Path(__file__)}, weight: 1}}]")
+            if group == "base" and "path: ???" in text:
+                overrides.append("base.path=/tmp/model")
             if group == "tree" and "path: ???" in text:
                 overrides.append("tree.path=/tmp/tree.json")
             if primary == "train":

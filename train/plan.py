@@ -26,6 +26,7 @@ ARCH_KEYS = (
     "vocab_size",
     "tie_word_embeddings",
 )
+MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 @dataclass
@@ -79,14 +80,31 @@ def setup_of(trainer: dict, base_dtype: str) -> Setup:
     )
 
 
+def experts(arch: dict) -> tuple[int, int, int]:
+    """(experts per layer, experts active per token, one expert's intermediate size); (0, 0,
+    intermediate_size) for a dense MLP. Mixtral names them num_local_experts, Qwen-MoE
+    num_experts with moe_intermediate_size."""
+    E = arch.get("num_experts") or arch.get("num_local_experts") or 0
+    if not E:
+        return 0, 0, arch["intermediate_size"]
+    return (
+        E,
+        arch.get("num_experts_per_tok") or 1,
+        arch.get("moe_intermediate_size") or (arch["intermediate_size"]),
+    )
+
+
 def base_params(arch: dict) -> tuple[int, int]:
-    """(all base parameters, one decoder layer's) for a Llama-style architecture."""
-    H, L, inter = arch["hidden_size"], arch["num_hidden_layers"], arch["intermediate_size"]
+    """(all base parameters, one decoder layer's) for a Llama-style architecture: attention
+    (grouped-query, any head_dim), a gated MLP or E gated experts with their router, 2 norms."""
+    H, L = arch["hidden_size"], arch["num_hidden_layers"]
     nh = arch["num_attention_heads"]
     nkv = arch.get("num_key_value_heads") or nh
     hd = arch.get("head_dim") or H // nh
     V = arch["vocab_size"]
-    layer = H * nh * hd * 2 + H * nkv * hd * 2 + 3 * H * inter + 2 * H
+    E, _, inter = experts(arch)
+    mlp = E * (3 * H * inter) + H * E if E else 3 * H * inter
+    layer = H * nh * hd * 2 + H * nkv * hd * 2 + mlp + 2 * H
     embed = V * H * (1 if arch.get("tie_word_embeddings") else 2)
     return embed + L * layer + H, layer
 
@@ -141,7 +159,9 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     rows.update({"heads weights": p, "heads grads": g, "heads AdamW states": o})
     # base forward (no grad): one layer's transients + the hidden states kept for the heads
     BT = B * T
-    rows["base forward activations"] = 0 if cfg.data.offline else BT * (5 * H + 3 * inter) * a
+    E, active, expert_inter = experts(arch)
+    mlp_act = 3 * active * expert_inter if E else 3 * inter  # the experts a token is routed to
+    rows["base forward activations"] = 0 if cfg.data.offline else BT * (5 * H + mlp_act) * a
     if st.device == "cpu" and not cfg.data.offline:
         rows["base attention scores (CPU math kernel)"] = B * nh * T * T * 4
     kept = 2 + (arch["num_hidden_layers"] + 1 if cfg.head.hidden_state_offset else 0)
@@ -238,14 +258,13 @@ def base_arch(base) -> dict[str, Any]:
             config = AutoConfig.from_pretrained(resolve_pretrained(base))
         except (OSError, BaseLoadError) as e:
             raise BaseLoadError(
-                f"cannot read the architecture of base {base.name}: {e}. Set base.arch "
-                "(hidden_size, num_hidden_layers, intermediate_size, num_attention_heads, "
-                "num_key_value_heads, vocab_size, tie_word_embeddings) to plan without the model"
+                f"cannot read the architecture of base {base.name}: {str(e).rstrip('.')}. Set "
+                "base.arch (hidden_size, num_hidden_layers, intermediate_size, "
+                "num_attention_heads, num_key_value_heads, vocab_size, tie_word_embeddings) to "
+                "plan without the model"
             ) from None
-    return {
-        k: getattr(config, k, None)
-        for k in (*ARCH_KEYS, "head_dim", "rope_theta", "rms_norm_eps", "max_position_embeddings")
-    }
+    keys = (*ARCH_KEYS, *MOE_KEYS, "head_dim", "rope_theta", "rms_norm_eps")
+    return {k: getattr(config, k, None) for k in (*keys, "max_position_embeddings")}
 
 
 def rss_bytes() -> int:

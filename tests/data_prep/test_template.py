@@ -125,15 +125,46 @@ def test_loss_on_user_turns_too(tiny_tokenizer):
     assert runs == ["<|im_start|>user\nWhat is 2+2?<|im_end|>", "It is 4.<|im_end|>"]
 
 
-def test_template_that_rewrites_history_is_rejected(tiny_tokenizer):
+def test_template_that_rewrites_history_has_its_turns_found(tiny_tokenizer):
+    """A rendering that is not a prefix of its continuation (here: the message count first)
+    has each reply found in the full text; one that rewrites the contents is rejected."""
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = (
         "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     )
-    with pytest.raises(TemplateError, match="prefix"):
+    text, spans, _ = loss_spans(tok, CONVS[0])
+    assert [text[a:b] for a, b in spans] == ["It is 4."]
+    tok.chat_template = (
+        "{{ messages | length }}{% for m in messages %}{{ m.content | upper }}{% endfor %}"
+    )
+    with pytest.raises(TemplateError, match="message 1's content is not in its rendering"):
         loss_spans(tok, CONVS[0])
     (res,) = encode_batch(tok, [CONVS[0]], ("assistant",))
     assert isinstance(res, TemplateError)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_templates_that_re_render_earlier_turns(family):
+    """Qwen3 drops the empty think block of replies before the last user turn, and Phi-3 ends
+    a rendering with an end-of-text token: every reply is still found, with its end-of-turn
+    token, and the last one as the template renders it after the generation prompt."""
+    from tests.families import TEMPLATES, tokenizer
+
+    tok = tokenizer(family)
+    msgs = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "More"},
+        {"role": "assistant", "content": "Sure"},
+    ]
+    eot = TEMPLATES[family][3]
+    text, spans, starts = loss_spans(tok, msgs)
+    last = {"qwen3": f"<think>\n\n</think>\n\nSure{eot}", "phi3": f"Sure{eot}\n{eot}"}
+    assert [text[a:b] for a, b in spans] == [f"Hello{eot}", last[family]]
+    assert text[starts[0] :].startswith(("<|im_start|>user\nMore", "<|user|>\nMore"))
+    (enc,) = encode_batch(tok, [msgs], ("assistant",))
+    runs = [tok.decode(r) for r in masked_runs(enc.input_ids, enc.loss_mask)]
+    assert runs == [f"Hello{eot}", last[family]]
 
 
 def test_chunk_split_truncate_drop(tiny_tokenizer):

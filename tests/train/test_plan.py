@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import run, run_here, train_config
-from train.plan import base_arch, estimate, verdict
+from train.plan import base_arch, base_params, estimate, verdict
 
 LLAMA70 = ["base=llama2_70b", "out=/x", "data.prepared=/p", "data.max_length=2048"]
 
@@ -118,3 +118,38 @@ def test_estimate_within_25_percent_of_measured_peak_smollm2(smol_prepared, tmp_
         [*COMMON, "experiment=smollm2_cpu", f"data.prepared={data}", f"out={tmp_path / 'run'}"]
     )
     assert 0.75 <= ratio <= 1.25, ratio
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gemma2", "phi3", "qwen2"])
+def test_parameter_count_of_other_families(family, tmp_path):
+    """The plan's base parameters from a model directory's config equal the model's own count
+    (within the biases and q/k norms it leaves out): MoE experts and routers, tied embeddings,
+    head_dim other than hidden / heads, fused projections."""
+    import transformers
+
+    from tests.families import save_family
+    from train.plan import base_params
+
+    model_dir = save_family(family, tmp_path / family)
+    cfg = train_config(["base=pretrained", f"base.path={model_dir}", "data.prepared=/p", "out=/x"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    have = sum(p.numel() for p in model.parameters())
+    assert base_params(base_arch(cfg.base))[0] == pytest.approx(have, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("preset", "published"),
+    [  # total parameters from each model card
+        ("qwen2_5_7b", 7.62e9),
+        ("qwen3_8b", 8.19e9),
+        ("qwen3_30b_a3b", 30.5e9),
+        ("mistral_7b", 7.25e9),
+        ("mixtral_8x7b", 46.7e9),
+        ("gemma2_9b", 9.24e9),
+        ("phi3_mini", 3.82e9),
+    ],
+)
+def test_family_presets_plan_with_their_published_size(preset, published):
+    cfg = train_config([f"base={preset}", "data.prepared=/p", "out=/x", "data.max_length=2048"])
+    assert base_params(base_arch(cfg.base))[0] == pytest.approx(published, rel=0.005)
+    assert estimate(cfg, base_arch(cfg.base))["total"] > 0
