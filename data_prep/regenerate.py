@@ -27,8 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from data_prep.config import RegenConfig, RegenError
 from data_prep.normalize import pack_extras, unpack_messages
@@ -62,14 +60,18 @@ def plan_batches(
     return batches
 
 
-def _check_full_attention(model) -> None:
-    layers = DynamicCache(config=model.config).layers
-    if any(type(layer) is not DynamicLayer for layer in layers):
+def _check_attention(model) -> None:
+    """Full and sliding-window layers regenerate exactly (transformers builds each layer kind's
+    mask from the slab's 2-D mask, so a window holds over the left-padded columns); other
+    layer kinds are refused by name, as the decoder refuses them."""
+    from train.decoding.masks import AttentionLayout, AttentionLayoutError
+
+    try:
+        AttentionLayout(model.config)
+    except AttentionLayoutError as e:
         raise RegenError(
-            f"regenerate=true supports bases whose every layer uses full attention (Llama-like); "
-            f"{type(model).__name__} has sliding-window or other cache layers. Set "
-            "regenerate=false, or regenerate with another base."
-        )
+            f"regenerate=true: {str(e).rstrip('.')}. Set regenerate=false, or use another base"
+        ) from None
 
 
 def generate_replies(
@@ -77,7 +79,7 @@ def generate_replies(
 ) -> list[list[int]]:
     """The reply token ids (EOS not included) of every prompt, in the order of `prompts`,
     batched by length (see the module docstring)."""
-    _check_full_attention(base.model)
+    _check_attention(base.model)
     tok = base.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = eos_ids(base.tokenizer, base.model)

@@ -1,9 +1,9 @@
 """Every base family beyond Llama through the whole CLI, as a user with a model directory runs
 it (`base=pretrained base.path=DIR`): prep with the family's chat template (multi-turn
-conversations kept, reply masks ending on its end-of-turn token), training of every head type
-online and offline, eval (greedy speculative == plain, or it exits 2) on a fixed and a dynamic
-tree at batch 1 and batch B, export and import back, and `plan` counting the base's parameters.
-The tiny random models are built from transformers' own classes (tests/families.py)."""
+conversations kept, reply masks ending on its end-of-turn token), regeneration by the base,
+training of every head type online and offline, eval (greedy speculative == plain, or it
+exits 2) on a fixed and a dynamic tree at batch 1 and batch B, export and import back, and
+`plan`. The tiny random models are built from transformers' own classes (tests/families.py)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ def test_family_through_the_cli(family, tmp_path):
         edges = torch.nonzero(mask.diff()).flatten()  # starts and ends of the masked runs
         runs = [ids[a:b] for a, b in zip(edges[::2], edges[1::2], strict=True)]
         assert len(runs) == 2 and all(tok.decode(x).endswith(eot) for x in runs), family
+
+    # self-distillation: the base regenerates the replies (the slab strategy, windows included)
+    regen = tmp_path / "regen"
+    _ok("prep", *base, *common, f"out={regen}", "regenerate=true", "regen.max_new_tokens=16")
+    assert json.loads((regen / "prep_stats.json").read_text())["skipped_total"] == 0
 
     train = ["trainer.max_steps=3", "data.batch_size=4", "trainer.val_check_interval=1000"]
     train += ["final_validation=false", "logger=none", f"data.prepared={data}"]

@@ -7,6 +7,8 @@ B, equals plain. docs/architecture.md: "Bases"."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import transformers
@@ -140,3 +142,35 @@ def test_decoder_reads_the_lm_head_the_model_has_now(tiny_base):
     finally:
         model.lm_head = original
     assert len(calls) == 4  # the prefill's root and three one-token steps
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "phi3"])
+def test_regeneration_slab_equals_transformers_generate(family):
+    """Self-distillation's left-padded strategy on windowed bases: transformers builds each
+    layer kind's mask from the slab's 2-D mask, so replies equal `generate`'s, with rows of
+    different prompt lengths and rows leaving the batch at their EOS. The control: the same
+    model with its window switched off replies otherwise."""
+    from train.decoding.slab import generate_left_padded
+
+    model = tiny(family)
+    ps = [*prompts(12), [5, 6, 7]]
+    want = [reference(model, ids, 30) for ids in ps]
+    counts = torch.bincount(torch.tensor([t for w in want for t in w]), minlength=96)
+    eos = int(counts.argsort(descending=True)[2])  # a frequent token: rows end at it
+    want = [w[: w.index(eos) + 1] if eos in w else w for w in want]
+    assert 0 < sum(eos in w for w in want) < len(want)
+    use_gqa_attention(model)
+    assert generate_left_padded(model, ps, 30, {eos}, 0, 0.0, 1.0) == want
+    if family == "mistral":
+        model.config.sliding_window = None
+        assert generate_left_padded(model, ps, 30, {eos}, 0, 0.0, 1.0) != want
+
+
+def test_regeneration_refuses_unsupported_layer_kinds_by_name():
+    from data_prep.config import RegenError
+    from data_prep.regenerate import generate_replies
+
+    model = tiny("qwen2")
+    model.config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(RegenError, match="chunked_attention.*regenerate=false"):
+        generate_replies(SimpleNamespace(model=model), [[5, 6, 7]], None)  # checked first
