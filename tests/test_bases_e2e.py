@@ -94,3 +94,10 @@ def test_family_through_the_cli(family, tmp_path):
 
     r = _ok("plan", *base, f"data.prepared={data}", "out=/x")
     assert family in r.stdout and "fits on" in r.stdout
+
+    # Gemma-2's heads distil toward its soft-capped distribution (test_losses checks the loss)
+    from tests.helpers import train_config
+    from train.recipe import build_module
+
+    module, *_ = build_module(train_config([*base, f"data.prepared={data}", "out=/x"]))
+    assert module.teacher_softcap == (2.0 if family == "gemma2" else None)

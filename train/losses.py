@@ -125,7 +125,7 @@ class _FusedHeadsLoss(torch.autograd.Function):
         # opts: (lm_weight, distill_weight, temperature, chunk, head weights, #CE and #KL
         # positions per head, distillation kinds); flat: (state, weight, bias, rows, target)
         # per head
-        lm_w, kl_w, T, chunk, head_w, n_ce, n_kl, kinds = opts
+        lm_w, kl_w, T, chunk, head_w, n_ce, n_kl, kinds, cap = opts
         pure_kl = kinds == (("kl", 1.0),)
         K = len(head_w)
         heads = [flat[5 * k : 5 * k + 5] for k in range(K)]
@@ -154,6 +154,8 @@ class _FusedHeadsLoss(torch.autograd.Function):
         for i, a in enumerate(range(0, M, chunk)):
             with torch.no_grad():
                 t_logits = (teacher_state[a : a + chunk].float() @ tw32.T).float()  # (c, V)
+                if cap:  # the base's own final soft-cap (Gemma-2): its distribution, same argmax
+                    t_logits = torch.tanh(t_logits / cap).mul_(cap)
                 top = (
                     teacher_top1[a : a + chunk] if teacher_top1 is not None else t_logits.argmax(-1)
                 )
@@ -281,6 +283,7 @@ def fused_heads_loss(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     kinds: dict[str, float] | None = None,
+    teacher_softcap: float | None = None,
 ) -> tuple[torch.Tensor, list[HeadLoss]]:
     """Total loss (with grad) and each head's figures, walking teacher rows chunk by chunk.
 
@@ -290,6 +293,8 @@ def fused_heads_loss(
     for the argmax of the teacher logits themselves. Each teacher row's logits, softmax and
     argmax are computed once per step, however many heads use that row. Peak memory is a few
     chunk x V buffers. kinds: the distillation divergence, {kind: weight} (default {"kl": 1}).
+    teacher_softcap: the base's `final_logit_softcapping` (Gemma-2/3), applied to the teacher
+    logits as the base applies it (cap * tanh(logits / cap)) before the temperature.
     """
     K = len(heads)
     n_kl = [int(h.state.shape[0]) for h in heads]
@@ -303,6 +308,7 @@ def fused_heads_loss(
         n_ce,
         n_kl,
         _kinds(kinds),
+        float(teacher_softcap or 0.0),
     )
     flat = []
     for h in heads:

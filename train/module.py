@@ -63,6 +63,7 @@ class HeadsModule(pl.LightningModule):
         hidden_state_offset: int = 0,
         meta: dict | None = None,
         base_loader: Callable[[dict | None], nn.Module] | None = None,
+        teacher_softcap: float | None = None,
     ):
         super().__init__()
         self.heads = heads
@@ -71,6 +72,7 @@ class HeadsModule(pl.LightningModule):
         self.max_steps = max_steps
         self.offset = hidden_state_offset
         self.meta = meta or {}
+        self.teacher_softcap = teacher_softcap  # the base's final_logit_softcapping (Gemma-2)
         self.base_model = base_model
         # Loads the base inside configure_model (ZeRO-3: partitioned as it is built).
         self._base_loader = base_loader
@@ -237,6 +239,7 @@ class HeadsModule(pl.LightningModule):
                 temperature=lc.temperature,
                 chunk_size=lc.chunk_size,
                 kinds=lc.distill_kinds(),
+                teacher_softcap=self.teacher_softcap,
             )
             total = total + loss
             for k, hl in zip(ks, losses, strict=True):

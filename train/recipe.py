@@ -175,6 +175,7 @@ def build_module(
         hidden_state_offset=cfg.head.hidden_state_offset,
         meta=meta,
         base_loader=base.load if defer_base else None,
+        teacher_softcap=getattr(base.config, "final_logit_softcapping", None),
     )
     pad = base.tokenizer.pad_token_id
     dm = PreparedDataModule(cfg.data, 0 if pad is None else pad, cfg.seed, base.vocab_size)

@@ -199,3 +199,28 @@ def test_ties_take_the_subgradient_autograd_takes(kind):
     assert float(ref) > 0 and torch.allclose(out.loss, ref, atol=1e-6)
     for a, b in zip(g, g_ref, strict=True):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kinds", [{"kl": 1.0}, {"lk": 1.0}], ids=lambda k: "+".join(k))
+def test_teacher_softcap_is_the_base_distribution(kinds):
+    """Gemma-2's final soft-cap: the fused loss distils toward cap * tanh(logits / cap), as the
+    naive loss on those logits does (value and gradient), and not toward the raw logits."""
+    torch.manual_seed(5)
+    K, N, H, V, cap = 2, 17, 8, 31, 2.0
+    states = [torch.randn(N, H, requires_grad=True) for _ in range(K)]
+    weights = [torch.randn(V, H, requires_grad=True) for _ in range(K)]
+    targets = [torch.randint(0, V, (N,)) for _ in range(K)]
+    teacher, tw = torch.randn(N, H) * 2, torch.randn(V, H)
+    capped = cap * torch.tanh(teacher @ tw.T / cap)  # (N, V): as teacher (N, V) @ eye(V)
+    hw = [1.0, 0.8]
+    ref = naive_head_losses(states, weights, targets, [capped] * K, torch.eye(V), 0.0, 1.0, 1.0,
+                            hw, kinds)  # fmt: skip
+    g_ref = torch.autograd.grad(ref, states + weights)
+    rows = torch.arange(N)
+    heads = [HeadInput(states[k], weights[k], None, rows, targets[k], hw[k]) for k in range(K)]
+    total, _ = fused_heads_loss(heads, teacher, tw, None, 0.0, 1.0, 1.0, 7, kinds, cap)
+    assert torch.allclose(total, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(total, states + weights), g_ref, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    raw, _ = fused_heads_loss(heads, teacher, tw, None, 0.0, 1.0, 1.0, 7, kinds)
+    assert not torch.allclose(raw, ref, rtol=1e-3)
