@@ -85,12 +85,15 @@ def test_family_through_the_cli(family, tmp_path):
         res = json.loads((ev / "eval.json").read_text())
         assert res["lossless"] is True and res["tau"] >= 1.0, res
 
-    _ok("export", f"heads={heads}", "format=hydra", f"out={tmp_path / 'x'}")
-    _ok("import", "src=" + str(tmp_path / "x"), "format=hydra", *base, f"out={tmp_path / 'back'}")
     from safetensors.torch import load_file
 
-    want, got = (load_file(p / "heads.safetensors") for p in (heads, tmp_path / "back"))
-    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    medusa = tmp_path / "medusa_False" / "heads"
+    for fmt, src in (("hydra", heads), ("hf", heads), ("medusa", medusa)):
+        x, back = tmp_path / f"x_{fmt}", tmp_path / f"back_{fmt}"
+        _ok("export", f"heads={src}", f"format={fmt}", f"out={x}")
+        _ok("import", f"src={x}", f"format={fmt}", *(base if fmt != "hf" else []), f"out={back}")
+        want, got = (load_file(p / "heads.safetensors") for p in (src, back))
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), fmt
 
     r = _ok("plan", *base, f"data.prepared={data}", "out=/x")
     assert family in r.stdout and "fits on" in r.stdout

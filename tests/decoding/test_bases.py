@@ -46,7 +46,8 @@ def test_plain_and_speculative_greedy_equal_transformers_generate(family):
     dec = Decoder(model, set(), heads)
     assert [dec.plain([ids], 24)[0].tokens for ids in ps] == want
     assert [g.tokens for g in dec.plain(ps, 24)] == want  # batch B: holes in the mask
-    for tree in (Tree.from_paths(PRESETS["sparse_15"]), DynamicTree(budget=12, expand=3, width=3)):
+    trees = [Tree.from_paths(PRESETS[n]) for n in ("chain_4", "sparse_15", "mc_sim_7b_63")]
+    for tree in (*trees, DynamicTree(budget=12, expand=3, width=3)):
         dec.set_tree(tree)
         spec = [dec.speculative([ids], 24)[0] for ids in ps]
         assert [g.tokens for g in spec] == want, type(tree).__name__

@@ -1,0 +1,98 @@
+"""An Optuna search with 1 worker against N local workers on the same cores, on SmolLM2.
+
+Usage: python evaluation/benchmarks/bench_search_workers.py [--trials 4] [--workers 2]
+       [--steps 12] [--conversations 40] [--out DIR]
+
+Prepares the first bundled ShareGPT conversations once (`hydra-heads prep cache_hidden=true`:
+the one-hour recipe trains offline), then runs the real
+`hydra-heads sweep sweep=search_cpu` twice, one run after the other on an otherwise idle
+machine, with the same seeded random sampler (every trial's values are drawn up front):
+
+  (a) workers=1: the trials one after another, each with all the cores' threads;
+  (b) workers=N storage=journal: N worker processes, each with cores / N threads.
+
+and prints each run's wall time, the ratio (a) / (b), each trial's values and τ side by side,
+and whether the two studies hold the same trials. τ may differ in the last digits between the
+runs: a step with 2 threads sums in another order than with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CLI = str(Path(sys.executable).parent / "hydra-heads")
+
+
+def _run(args: list[str]) -> float:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("OMP_NUM_THREADS", None)  # the sweep sets each trial's threads itself
+    t0 = time.perf_counter()
+    r = subprocess.run([CLI, *args], capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"failed: hydra-heads {' '.join(args)}\n{r.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def _study(out: Path, journal: bool) -> list[tuple[dict, float | None]]:
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = (
+        JournalStorage(JournalFileBackend(str(out / "study.journal")))
+        if journal
+        else f"sqlite:///{out / 'study.db'}"
+    )
+    trials = optuna.load_study(study_name="search_cpu", storage=storage).get_trials()
+    return [(t.params, t.value) for t in sorted(trials, key=lambda t: t.number)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trials", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12, help="training steps per trial")
+    ap.add_argument("--conversations", type=int, default=40)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    root = Path(args.out or tempfile.mkdtemp(prefix="bench_search_"))
+    data = root / "data"
+    if not (data / "prep_stats.json").is_file():
+        _run(["prep", f"data.max_conversations={args.conversations}", "data.max_length=256",
+              "cache_hidden=true", f"out={data}", "overwrite=true"])  # fmt: skip
+    common = [
+        "sweep",
+        "sweep=search_cpu",
+        f"sweep.search.trials={args.trials}",
+        "sweep.search.sampler=random",
+        "sweep.search.seed=0",
+        f'sweep.train=["experiment=smollm2_cpu_1h","trainer.max_steps={args.steps}",'
+        '"trainer.val_check_interval=1000","val_tau.prompts=0","final_validation=false",'
+        '"logger=csv","data.batch_size=4","data.max_length=256"]',
+        'sweep.eval=["eval.suite=mt_bench","eval.num_prompts=2","eval.max_new_tokens=32",'
+        '"tree=sparse_15","eval.compare_plain=false"]',
+        f'train_args=["data.prepared={data}"]',
+        "report=false",
+    ]
+    one = _run([*common, f"out={root / 'one'}", "workers=1"])
+    many = _run([*common, f"out={root / 'many'}", f"workers={args.workers}", "storage=journal"])
+    a, b = _study(root / "one", False), _study(root / "many", True)
+    print(f"{args.trials} trials of {args.steps} steps on {os.cpu_count()} cores")
+    print("| run | wall s |\n|---|---|")
+    print(f"| workers=1 | {one:.1f} |\n| workers={args.workers} | {many:.1f} |")
+    print(f"wall time ratio (1 worker / {args.workers}): {one / many:.2f}x")
+    print("\n| trial | values | τ (1 worker) | τ (N workers) |\n|---|---|---|---|")
+    for i, ((pa, va), (_, vb)) in enumerate(zip(a, b, strict=False)):
+        print(f"| {i} | {json.dumps(pa, sort_keys=True)} | {va} | {vb} |")
+    print(f"same trials (values drawn): {[p for p, _ in a] == [p for p, _ in b]}")
+
+
+if __name__ == "__main__":
+    main()
