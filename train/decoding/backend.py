@@ -136,20 +136,24 @@ def quantize_base(model: nn.Module, quant: str) -> nn.Module:
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
 
 
+PACKABLE = (torch.float32, torch.bfloat16)
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can hold `weight` prepacked: a float32 CPU weight in a torch built with
-    oneDNN (every x86 and arm64 CPU build)."""
+    """Whether oneDNN can hold `weight` prepacked: a float32 or bf16 CPU weight in a torch
+    built with oneDNN (every x86 and arm64 CPU build)."""
     return (
-        weight.dtype == torch.float32
+        weight.dtype in PACKABLE
         and weight.device.type == "cpu"
         and torch.backends.mkldnn.is_available()
     )
 
 
 class PackedLinear(nn.Module):
-    """A float32 CPU linear layer that also holds its weight prepacked in oneDNN's blocked
-    layout, and multiplies `take`'s row counts with it (oneDNN's matmul on the packed copy)
-    and the others with torch's own (MKL on the original). take[n] is the choice for n rows;
+    """A float32 or bf16 CPU linear layer that also holds its weight prepacked in oneDNN's
+    blocked layout, and multiplies `take`'s row counts with it (oneDNN's matmul on the packed
+    copy) and the others with torch's own (MKL, or for bf16 oneDNN on the unpacked weight,
+    reordered at every call). take[n] is the choice for n rows;
     counts past the list take its last entry. The original weight and bias are the layer's
     own tensors (tied weights stay tied); the packed copy (given, or made here) is an
     opaque oneDNN tensor kept as a plain attribute, outside state_dict and `.to()` (a layer
@@ -164,6 +168,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.take = take
         self.packed = pack(linear.weight) if packed is None else packed
+        self.packed_dtype = linear.weight.dtype  # a cast layer's copy is stale: not used
 
     def __deepcopy__(self, memo) -> PackedLinear:
         lin = nn.Linear(self.in_features, self.out_features, self.bias is not None, "meta")
@@ -176,7 +181,7 @@ class PackedLinear(nn.Module):
         if (
             n
             and self.take[min(n, len(self.take) - 1)]
-            and x.dtype == self.weight.dtype == torch.float32
+            and x.dtype == self.weight.dtype == self.packed_dtype
             and x.device.type == "cpu"
             and not torch.is_autocast_enabled("cpu")  # autocast casts in torch's matmul
         ):
@@ -246,11 +251,12 @@ def _spans(take: tuple[bool, ...]) -> str:
 def use_weight_layout(
     *models: nn.Module | None, layout: str = "auto", key: str = "eval.weight_layout"
 ) -> dict[str, str]:
-    """Give the float32 CPU linear layers of `models` (a base, its heads) oneDNN-packed weights
-    (see the module docstring): at every row count with layout=packed, at the counts where
-    timing on this machine says the packed copy is faster with layout=auto (each weight shape
-    timed once). Returns {"<out>x<in>": those row counts as spans like '1-12' or '2+'} for the
-    shapes that got one. `key`: the setting that chose `layout`, named in errors."""
+    """Give the float32 and bf16 CPU linear layers of `models` (a base, its heads)
+    oneDNN-packed weights (see the module docstring): at every row count with layout=packed,
+    at the counts where timing on this machine says the packed copy is faster with
+    layout=auto (each weight shape and dtype timed once). Returns {"<out>x<in>": those row
+    counts as spans like '1-12' or '2+'} for the shapes that got one ("<out>x<in> bf16" for
+    bf16 weights). `key`: the setting that chose `layout`, named in errors."""
     if layout not in WEIGHT_LAYOUT:
         raise BackendError(f"{key}={layout!r} is invalid: choose one of {', '.join(WEIGHT_LAYOUT)}")
     if layout == "standard":
@@ -263,11 +269,12 @@ def use_weight_layout(
         for name, child in parent.named_children()
         if type(child) is nn.Linear and can_pack(child.weight)
     ]
-    by_shape: dict[tuple[int, int], dict[int, torch.Tensor]] = {}  # distinct weights per shape
+    # distinct weights per (shape, dtype): the unit that is timed
+    groups: dict[tuple[int, int, torch.dtype], dict[int, torch.Tensor]] = {}
     for _, _, lin in linears:
-        by_shape.setdefault(tuple(lin.weight.shape), {})[id(lin.weight)] = lin.weight
+        groups.setdefault(_group(lin.weight), {})[id(lin.weight)] = lin.weight
     try:
-        packed = {key: pack(w) for group in by_shape.values() for key, w in group.items()}
+        packed = {key: pack(w) for group in groups.values() for key, w in group.items()}
     except RuntimeError as e:  # a torch build whose oneDNN cannot reorder for this CPU
         if layout == "packed":
             raise BackendError(
@@ -277,16 +284,24 @@ def use_weight_layout(
         return {}
     every = (False,) + (True,) * PROBE_ROWS[-1]
     chosen = {
-        shape: every
-        if layout == "packed"
-        else packed_rows(list(group.values()), [packed[k] for k in group])
-        for shape, group in by_shape.items()
+        g: every if layout == "packed" else packed_rows(list(ws.values()), [packed[k] for k in ws])
+        for g, ws in groups.items()
     }
     for parent, name, lin in linears:
-        take = chosen[tuple(lin.weight.shape)]
+        take = chosen[_group(lin.weight)]
         if any(take):
             setattr(parent, name, PackedLinear(lin, take, packed[id(lin.weight)]))
-    return {f"{o}x{i}": _spans(t) for (o, i), t in chosen.items() if any(t)}
+    return {_shape_name(g): _spans(t) for g, t in chosen.items() if any(t)}
+
+
+def _shape_name(group: tuple[int, int, torch.dtype]) -> str:
+    """(576, 1536, float32) -> '576x1536'; a bf16 weight's gets ' bfloat16' added."""
+    o, i, dt = group
+    return f"{o}x{i}" if dt == torch.float32 else f"{o}x{i} {str(dt).removeprefix('torch.')}"
+
+
+def _group(weight: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    return (*weight.shape, weight.dtype)
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype:
