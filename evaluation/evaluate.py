@@ -30,7 +30,7 @@ from train.core.readers import DataError, SkipLog
 from train.decoding.backend import quantize_base, use_gqa_attention, use_weight_layout
 from train.decoding.decoder import Decoder
 from train.decoding.dynamic import DynamicTree, Shape, by_temperature
-from train.decoding.generation import Generation, acceptance_figures
+from train.decoding.generation import STEP_PARTS, Generation, acceptance_figures
 from train.decoding.sampling import SamplingConfig, eos_ids
 from train.decoding.tree import Tree, TreeError, branching, grow, preset_paths
 from train.heads import load_heads
@@ -444,9 +444,7 @@ def summarize(spec: list[Generation], plain: list[Generation], depth: int) -> di
         "spec_s": round(spec_s, 4),
         "spec_tokens_per_s": spec_tokens / spec_s if spec_s else None,
         "time_per_step_ms": {
-            "propose": 1e3 * sum(g.propose_s for g in spec) / steps,
-            "verify": 1e3 * sum(g.verify_s for g in spec) / steps,
-            "bookkeeping": 1e3 * sum(g.bookkeeping_s for g in spec) / steps,
+            k: 1e3 * sum(getattr(g, f"{k}_s") for g in spec) / steps for k in STEP_PARTS
         },
     }
     if plain:

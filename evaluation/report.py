@@ -18,6 +18,7 @@ from evaluation.config import ReportConfig
 from evaluation.stats import intervals, with_ci
 from train.core.atomic import write_text
 from train.core.errors import UserError
+from train.decoding.generation import STEP_PARTS
 
 TRAIN_WINDOW = 50  # logged steps averaged into a head's train top-1 (one batch is noisy)
 PLOTS = {
@@ -544,14 +545,14 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                 r["name"],
                 fmt(ev.get("spec_tokens_per_s"), 1),
                 fmt(ev.get("plain_tokens_per_s"), 1),
-                " / ".join(fmt(ms.get(k), 1) for k in ("propose", "verify", "bookkeeping")),
+                " / ".join(fmt(ms.get(k), 1) for k in STEP_PARTS),
                 fmt(r.get("train", {}).get("fit_s"), 0),
                 fmt(r.get("train", {}).get("world_size")),
                 ", ".join(f"{k}={v}" for k, v in hw.items()) or "–",
             ]
         )
-    header = ["run", "spec tok/s", "plain tok/s", "propose / verify / bookkeep ms", "train s",
-              "train ranks", "eval hardware"]  # fmt: skip
+    header = ["run", "spec tok/s", "plain tok/s", "propose / verify / project / bookkeep ms",
+              "train s", "train ranks", "eval hardware"]  # fmt: skip
     out.append(("Hardware and timing", header, rows))
     diff = report["config_diff"]
     if diff and len(runs) > 1:

@@ -12,9 +12,11 @@ Prints:
      and with the grouped-KV kernel in float32 (with the standard weight layout and with
      eval.weight_layout=auto's oneDNN-packed copies), bf16 and int8. Goal: 16 tokens <= 1.3x.
   2. per tree (chain, sparse presets, calibrated trees of several sizes, dynamic trees), on the
-     float32 base: the whole speculative step (a real 24-token decode, per base forward)
-     relative to a plain step, which is the break-even tau (speculation pays when tau exceeds
-     it), beside its tau, and where the step's time goes: propose, verify, bookkeeping.
+     float32 base (and the bf16 one on a CPU with bf16 units; `--tree-backends`): the whole
+     speculative step (a real 24-token decode, per base forward) relative to a plain step,
+     which is the break-even tau (speculation pays when tau exceeds it), beside its tau, and
+     where the step's time goes: propose, verify (the base's body), project (the base's
+     output projection over the nodes acceptance reads), bookkeeping.
   3. speculative / plain wall clock on MT-Bench first turns (both decoded in the same run,
      interleaved, on the same backend) per backend and tree: float32, int8, bf16, compiled,
      fixed and dynamic trees, batch 1 and `--batch`; with each one's per-step breakdown and
@@ -47,6 +49,7 @@ from evaluation.suites import suite_prompts  # noqa: E402
 from train.core.base import load_base, recorded_base  # noqa: E402
 from train.core.checkpoint import read_meta  # noqa: E402
 from train.core.config import from_group  # noqa: E402
+from train.core.hardware import cpu_has_bf16  # noqa: E402
 from train.core.prompts import held_out_prompts, prepared_rows  # noqa: E402
 from train.decoding.backend import (  # noqa: E402
     forward,
@@ -57,7 +60,7 @@ from train.decoding.backend import (  # noqa: E402
 from train.decoding.cache import new_cache  # noqa: E402
 from train.decoding.decoder import Decoder  # noqa: E402
 from train.decoding.dynamic import DynamicTree  # noqa: E402
-from train.decoding.generation import Generation  # noqa: E402
+from train.decoding.generation import STEP_PARTS, Generation  # noqa: E402
 from train.decoding.sampling import eos_ids  # noqa: E402
 from train.decoding.tree import PRESETS, Tree, chain, grow, tree_bias  # noqa: E402
 from train.heads import load_heads  # noqa: E402
@@ -133,12 +136,12 @@ def verify_cost(dec: Decoder, context: int, n: int, reps: int) -> float:
     return median_time(run, reps)
 
 
-def breakdown(gens: list[Generation]) -> tuple[float, float, float, float]:
-    """Per base forward: propose, verify, bookkeeping ms, and propose + bookkeeping's share."""
+def breakdown(gens: list[Generation]) -> tuple[float, float, float, float, float]:
+    """Per base forward: propose, verify, project, bookkeeping ms, and propose +
+    bookkeeping's share of the step (the base's own output projection counted apart)."""
     steps = max(max(g.steps for g in gens), 1)
-    p, v, b = (1e3 * sum(getattr(g, f) for g in gens) / steps
-               for f in ("propose_s", "verify_s", "bookkeeping_s"))  # fmt: skip
-    return p, v, b, (p + b) / max(p + v + b, 1e-9)
+    p, v, o, b = (1e3 * sum(getattr(g, f"{k}_s") for g in gens) / steps for k in STEP_PARTS)
+    return p, v, o, b, (p + b) / max(p + v + o + b, 1e-9)
 
 
 def section_verify(backends: Backends, args, console: Console) -> None:
@@ -181,16 +184,18 @@ def section_trees(dec: Decoder, name: str, trees, prompt, reps, console: Console
     t = Table(title=f"speculative step vs plain step ({plain * 1e3:.1f} ms) on {name}, after a "
               f"{len(prompt)}-token prompt: break-even tau = step / plain")  # fmt: skip
     for col in ("tree", "nodes", "step ms", "break-even tau", "tau (24-token decode)",
-                "propose / verify / bookkeeping ms", "propose+bookkeeping"):  # fmt: skip
+                "propose / verify / project / bookkeeping ms",
+                "propose+bookkeeping"):  # fmt: skip
         t.add_column(col, justify="right")
     for tname, tree in trees.items():
         dec.set_tree(tree)
         step = dec.decode_step_seconds(prompt, 24, reps)
         gen = dec.speculative([prompt], 24)[0]
-        p, v, b, share = breakdown([gen])
+        p, v, o, b, share = breakdown([gen])
         nodes = tree.budget if isinstance(tree, DynamicTree) else tree.num_nodes - 1
+        split = f"{p:.1f} / {v:.1f} / {o:.1f} / {b:.1f}"
         t.add_row(tname, str(nodes), f"{step * 1e3:.1f}", f"{step / plain:.2f}",
-                  f"{gen.tau:.2f}", f"{p:.1f} / {v:.1f} / {b:.1f}", f"{share:.0%}")  # fmt: skip
+                  f"{gen.tau:.2f}", split, f"{share:.0%}")  # fmt: skip
     console.print(t)
 
 
@@ -212,7 +217,7 @@ def compare(dec: Decoder, tree, prompts, max_new: int, batch: int = 1) -> dict:
     steps = sum(g.steps for g in spec)
     spec_tok = sum(len(g.tokens) for g in spec) / sum(g.total_s for g in spec)
     plain_tok = sum(len(g.tokens) for g in plain) / sum(g.total_s for g in plain)
-    p, v, b = (statistics.mean(x[j] for x in shares) for j in range(3))
+    p, v, o, b = (statistics.mean(x[j] for x in shares) for j in range(4))
     return {
         "tau": (sum(sum(g.accepted) for g in spec) + steps) / max(steps, 1),
         "spec": spec_tok,
@@ -220,8 +225,8 @@ def compare(dec: Decoder, tree, prompts, max_new: int, batch: int = 1) -> dict:
         "speedup": spec_tok / plain_tok,
         "same": f"{sum(s.tokens == q.tokens for s, q in zip(spec, plain, strict=True))}"
         f"/{len(prompts)}",
-        "breakdown": f"{p:.1f} / {v:.1f} / {b:.1f}",
-        "overhead": (p + b) / max(p + v + b, 1e-9),
+        "breakdown": f"{p:.1f} / {v:.1f} / {o:.1f} / {b:.1f}",
+        "overhead": (p + b) / max(p + v + o + b, 1e-9),
     }
 
 
@@ -243,7 +248,8 @@ def section_features(backends: Backends, fixed: Tree, prompts, args, console: Co
               f"{args.max_new_tokens} tokens, tree {args.tree} ({fixed.num_nodes - 1} nodes; "
               "dynamic trees: the same budget)")  # fmt: skip
     for col in ("backend", "tau", "spec tok/s", "plain tok/s", "speedup", "same as plain",
-                "propose / verify / bookkeeping ms", "propose+bookkeeping"):  # fmt: skip
+                "propose / verify / project / bookkeeping ms",
+                "propose+bookkeeping"):  # fmt: skip
         t.add_column(col, justify="right")
     for label, (backend, tree, batch) in runs.items():
         if label in skip or backend in skip:
@@ -273,6 +279,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4, help="the batched row of section 3")
     ap.add_argument("--skip", default="", help="section 3 rows to leave out, e.g. compiled")
     ap.add_argument("--sections", default="1,2,3")
+    ap.add_argument("--tree-backends", default="fp32,bf16" if cpu_has_bf16() else "fp32",
+                    help="section 2's backends (default: fp32, and bf16 on a CPU with bf16 "
+                    "units)")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     console = Console(width=140)
@@ -303,8 +312,9 @@ def main() -> None:
         _, next_row = held_out_prompts(ds, 1, 1024)
         rows = calibration_rows(ds, next_row, from_group(CalibratedTree, "tree", "calibrated"))
         calib = calibrate(base.model, heads, rows, 10, offset)
-        section_trees(backends.get("fp32"), "fp32", trees_to_try(heads, calib),
-                      prompts[0], args.reps, console)  # fmt: skip
+        for name in args.tree_backends.split(","):
+            section_trees(backends.get(name.strip()), name.strip(), trees_to_try(heads, calib),
+                          prompts[0], args.reps, console)  # fmt: skip
     if 3 in sections:
         fixed = Tree.from_paths(PRESETS[args.tree] if args.tree in PRESETS
                                 else chain(heads.num_heads), heads.num_heads)  # fmt: skip

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from train.decoding.generation import STEP_PARTS
+
 CONFIG_NAME = "eval"
 # A working command line, shown when a required key is missing.
 EXAMPLE = "hydra-heads eval heads=runs/hpp/heads out=runs/hpp-eval"
@@ -44,8 +46,8 @@ def print_summary(res: dict[str, Any], out: str) -> None:
         t.add_row("speedup", with_ci(res["speedup"], res.get("speedup_ci95"), unit="x"))
     ms = res["time_per_step_ms"]
     t.add_row(
-        "per step: propose / verify / bookkeeping",
-        f"{ms['propose']:.1f} / {ms['verify']:.1f} / {ms['bookkeeping']:.1f} ms",
+        "per step: propose / verify / project / bookkeeping",
+        " / ".join(f"{ms[k]:.1f}" if k in ms else "–" for k in STEP_PARTS) + " ms",
     )
     by_category = res.get("by_category") or {}
     if len(by_category) > 1:  # a suite with categories (MT-Bench): tau / speedup per category

@@ -20,7 +20,6 @@ could between a verify pass and a one-token step.)
 from __future__ import annotations
 
 import copy
-import functools
 import time
 from dataclasses import dataclass
 
@@ -112,8 +111,7 @@ class Decoder:
                 f"for {type(model.config).__name__}'s window of {self.layout.window}: set "
                 "eval.compile=false"
             )
-        # the base's own logits (Gemma-2: soft-capped), from its lm_head at each call
-        self.lm_head = functools.partial(output_logits, self.model)
+        self.project_s = 0.0  # time in the base's output projection (lm_head), all calls
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
         # eval.compile: one compiled graph per (tokens per forward, cache capacity bucket);
         # the prefill stays eager (its length varies). compile_s: time spent compiling.
@@ -151,6 +149,14 @@ class Decoder:
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The base's own logits (Gemma-2: soft-capped) from its lm_head, looked up at each
+        call (use_weight_layout may replace it after the decoder is built); timed."""
+        t = time.perf_counter()
+        out = output_logits(self.model, hidden)
+        self.project_s += time.perf_counter() - t
+        return out
 
     # -- the public loops -------------------------------------------------------------------
     @torch.no_grad()
@@ -200,7 +206,7 @@ class Decoder:
         st = self._prefill(ids, max_new, speculate)
         gens = [Generation([], "length") for _ in ids]
         times = {"prefill_s": time.perf_counter() - t0, "propose_s": 0.0, "verify_s": 0.0}
-        times["bookkeeping_s"] = 0.0
+        times.update(project_s=0.0, bookkeeping_s=0.0)
         done = self._emit(st, gens, [[t] for t in st.roots.tolist()], max_new)
         while len(done) < len(st.rows):
             if done:
@@ -212,7 +218,7 @@ class Decoder:
                 prop = root_only(st.roots, self.dtype)
             t2, c1 = time.perf_counter(), self.compile_s
             final, hid = self._verify(st, prop)
-            t3 = time.perf_counter()
+            t3, p0 = time.perf_counter(), self.project_s
             accepted = self._accept(prop, final)
             n = self._keep(st, accepted, hid if speculate else None)
             new = []
@@ -226,7 +232,8 @@ class Decoder:
             t4 = time.perf_counter()
             times["propose_s"] += t2 - t1
             times["verify_s"] += t3 - t2 - (self.compile_s - c1)  # compiling reported apart
-            times["bookkeeping_s"] += t4 - t3
+            times["project_s"] += self.project_s - p0
+            times["bookkeeping_s"] += t4 - t3 - (self.project_s - p0)
         compiling = self.compile_s - c0
         share_times(gens, {"total_s": time.perf_counter() - t0 - compiling, **times})
         for g in gens:

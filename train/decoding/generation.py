@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# where a decode step's time goes, in order (each a Generation field `<part>_s`)
+STEP_PARTS = ("propose", "verify", "project", "bookkeeping")
+
 
 @dataclass
 class Generation:
@@ -20,7 +23,8 @@ class Generation:
     steps: int = 0  # base forwards after the prefill
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted per verify step
     propose_s: float = 0.0
-    verify_s: float = 0.0
+    verify_s: float = 0.0  # the base's body over each step's tokens
+    project_s: float = 0.0  # the base's output projection (lm_head) over the nodes accepting reads
     bookkeeping_s: float = 0.0  # acceptance, KV-cache compaction, the heads' context update
 
     @property
