@@ -127,7 +127,9 @@ class EvalSettings(ConfigModel):
     threads: Positive | None  # torch CPU threads (null: torch's default)
     base_quant: Literal["none", "bf16", "int8"]  # the base's weights (the heads run in its dtype)
     compile: bool  # torch.compile the base's decode and verify forwards
-    weight_layout: Literal["auto", "standard", "packed"]  # float32 weights prepacked for oneDNN
+    weight_layout: Literal[
+        "auto", "standard", "packed"
+    ]  # float32 / bf16 weights prepacked for oneDNN
     batch_size: Positive  # prompts decoded at once (per-row acceptance and KV compaction)
     progress: bool
 
