@@ -56,32 +56,33 @@ def base_config(cfg: EvalConfig, meta: dict) -> BaseConfig:
 
 
 def fixed_tree(
-    tc: TreeConfig, num_heads: int, temperature: float = 0.0
+    tc: TreeConfig, depth: int, limit: int | None, temperature: float = 0.0
 ) -> Tree | DynamicTree | None:
     """The tree for the fixed kinds (a DynamicTree rule for tree=dynamic, and for
-    tree=temperature the one for `temperature`); None for calibrated / auto."""
+    tree=temperature the one for `temperature`); None for calibrated / auto. `depth`: how deep
+    the heads draft a chain or a dynamic tree; `limit`: the deepest they can (None: any)."""
     if tc.kind in ("dynamic", "temperature"):
         if tc.kind == "dynamic":
             spec = DynamicTree(tc.budget, tc.expand, tc.width, tc.depth)
         else:
             cold, hot = (Shape(**s.model_dump()) for s in (tc.cold, tc.hot))
             for name, s in (("cold", cold), ("hot", hot)):
-                if s.depth is not None and s.depth > num_heads:
+                if s.depth is not None and limit is not None and s.depth > limit:
                     raise TreeError(
-                        f"tree.{name}.depth={s.depth} but the heads propose only {num_heads} "
-                        f"tokens: use tree.{name}.depth <= {num_heads} or null"
+                        f"tree.{name}.depth={s.depth} but the heads propose only {limit} "
+                        f"tokens: use tree.{name}.depth <= {limit} or null"
                     )
-            spec = by_temperature(temperature, tc.budget, cold, hot, tc.hot_at, num_heads)
-        spec.levels(num_heads)
+            spec = by_temperature(temperature, tc.budget, cold, hot, tc.hot_at, depth)
+        spec.levels(depth, limit)
         return spec
     if tc.kind == "preset":
-        return Tree.from_paths(preset_paths(tc.name, num_heads), num_heads)
+        return Tree.from_paths(preset_paths(tc.name, depth), limit)
     if tc.kind == "branching":
-        return Tree.from_paths(branching(tc.branching), num_heads)
+        return Tree.from_paths(branching(tc.branching), limit)
     if tc.kind == "paths":
-        return Tree.from_paths(tc.paths, num_heads)
+        return Tree.from_paths(tc.paths, limit)
     if tc.kind == "file":
-        return Tree.load(tc.path, num_heads)
+        return Tree.load(tc.path, limit)
     return None
 
 
@@ -96,7 +97,7 @@ def setup(cfg: EvalConfig) -> tuple[FrozenBase, Decoder, Tree | None, dict]:
     base.model = quantize_base(base.model, ev.base_quant)
     use_gqa_attention(base.model)
     use_gqa_attention(heads)
-    tree = fixed_tree(cfg.tree, heads.num_heads, ev.temperature)
+    tree = fixed_tree(cfg.tree, heads.draft_depth, heads.depth_limit, ev.temperature)
     sampling = SamplingConfig(
         ev.temperature, ev.acceptance, ev.seed, ev.posterior_threshold, ev.posterior_alpha
     )
@@ -199,7 +200,7 @@ def calibrated_tree(
     calib = calibrate(decoder.model, decoder.heads, rows, tc.topk, decoder.offset)
     info: dict[str, Any] = {"kind": tc.kind, "calibration": calib.to_json()}
     if tc.kind == "calibrated":
-        tree = Tree.from_paths(grow(calib.acc, tc.budget), decoder.heads.num_heads)
+        tree = Tree.from_paths(grow(calib.acc, tc.budget), decoder.heads.depth_limit)
     else:
         # Timed on the longest prompt: a speculative step's KV upkeep and tree attention
         # grow with the context faster than a plain step does, so a short prompt would
@@ -227,7 +228,7 @@ def use_tree(decoder: Decoder, tree: Tree | DynamicTree, out: Path) -> dict[str,
     """Set `tree` on `decoder`, save it as <out>/tree.json; returns its eval.json fields."""
     decoder.set_tree(tree)
     if isinstance(tree, DynamicTree):  # no one tree to save: each step grows its own
-        depth = tree.levels(decoder.heads.num_heads)
+        depth = tree.levels(decoder.heads.draft_depth, decoder.heads.depth_limit)
         return dict(asdict(tree), num_nodes=tree.budget, depth=depth)
     tree.save(out / "tree.json")
     return dict(

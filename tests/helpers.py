@@ -199,6 +199,16 @@ def slurm_up() -> bool:
 
 
 # -- heads ---------------------------------------------------------------------------------------
+def arch_shape(arch: str, num_heads: int, num_layers: int) -> dict:
+    """Head-config sizes for a test of `arch`: the given ones, or one head of one layer for a
+    recurrent head set (eagle-attn), whose config allows nothing else."""
+    from train.heads import HEADS
+
+    if HEADS[arch].recurrent:
+        return {"num_heads": 1, "num_layers": 1}
+    return {"num_heads": num_heads, "num_layers": num_layers}
+
+
 def make_heads(model, arch: str, seed: int, scale: float, draft: int | None = None, **head):
     """Heads for `model` whose weights are the base lm_head copies plus N(0, scale) noise:
     fresh heads all echo the base's next token; noise makes every head its own."""
@@ -206,7 +216,7 @@ def make_heads(model, arch: str, seed: int, scale: float, draft: int | None = No
 
     torch.manual_seed(seed)
     draft_ids = torch.randperm(model.config.vocab_size)[:draft].sort().values if draft else None
-    head = {"num_heads": 4, "num_layers": 1, "draft_vocab_size": draft, **head}
+    head = {**arch_shape(arch, 4, 1), "draft_vocab_size": draft, **head}
     cfg = head_config(arch, **head)
     heads = build_heads(
         cfg, base_shape(model.config), model.get_output_embeddings().weight, draft_ids
@@ -241,7 +251,7 @@ class OracleDecoder(Decoder):
         super().__init__(*a, **k)
         self.ref, self.prompt_len, self.true_path = ref, prompt_len, true_path
 
-    def propose(self, ctx, roots, lengths):
+    def propose(self, ctx, roots, lengths, memory=None):
         at = int(lengths[0]) - self.prompt_len  # ref[at] is the root
         root = int(roots[0])
         assert self.ref[at] == root

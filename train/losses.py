@@ -130,6 +130,8 @@ class _FusedHeadsLoss(torch.autograd.Function):
         K = len(head_w)
         heads = [flat[5 * k : 5 * k + 5] for k in range(K)]
         need = [any(ctx.needs_input_grad[4 + 5 * k : 4 + 5 * k + 3]) for k in range(K)]
+        # a frozen output projection (eagle-attn's is the base's lm_head) gets no gradient
+        need_w = [ctx.needs_input_grad[5 + 5 * k] for k in range(K)]
         dev = teacher_state.device
         M = teacher_state.shape[0]
         # The three (n, H) x (H, V) products per head are most of a step's arithmetic; under
@@ -143,7 +145,7 @@ class _FusedHeadsLoss(torch.autograd.Function):
                 grads.append(None)
                 continue
             gb = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
-            gw = torch.zeros_like(w32[k])
+            gw = torch.zeros_like(w32[k]) if need_w[k] else None
             grads.append([torch.zeros_like(state, dtype=torch.float32), gw, gb])
         ce_sum = torch.zeros(K, dtype=torch.float32, device=dev)
         kl_sum = torch.zeros(K, dtype=torch.float32, device=dev)
@@ -222,7 +224,8 @@ class _FusedHeadsLoss(torch.autograd.Function):
                 if d is not None:
                     gs, gw, gb = grads[k]
                     gs[lo:hi] = d @ w32[k]
-                    gw += d.T @ s_c
+                    if gw is not None:
+                        gw += d.T @ s_c
                     if gb is not None:
                         gb += d.sum(0)
                     del d
@@ -238,8 +241,8 @@ class _FusedHeadsLoss(torch.autograd.Function):
                 layout.append(None)
                 continue
             gs, gw, gb = grads[k]
-            layout.append((len(saved), gb is not None))
-            saved += [gs.to(state.dtype), gw.to(weight.dtype)]
+            layout.append((len(saved), gb is not None, gw is not None))
+            saved += [gs.to(state.dtype), gs.new_zeros(0) if gw is None else gw.to(weight.dtype)]
             if gb is not None:
                 saved.append(gb.to(bias.dtype))
         ctx.layout = layout
@@ -255,9 +258,10 @@ class _FusedHeadsLoss(torch.autograd.Function):
             if entry is None:
                 out += [None] * 5
                 continue
-            j, has_bias = entry
+            j, has_bias, has_w = entry
             gb = saved[j + 2] * g_total if has_bias else None
-            out += [saved[j] * g_total, saved[j + 1] * g_total, gb, None, None]
+            gw = saved[j + 1] * g_total if has_w else None
+            out += [saved[j] * g_total, gw, gb, None, None]
         return tuple(out)
 
 

@@ -152,11 +152,14 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     elif sharded:
         # + what is gathered whole during a step: the output projections (read by the loss for
         # the whole step) and the largest head module at a time
-        working = 4 * (K * V_out * H + (P_heads - K * V_out * H) / K)
+        lm = 0 if cfg.head.name == "hydra_eagle" else K * V_out * H  # eagle's is frozen
+        working = 4 * (lm + (P_heads - lm) / K)
         p, g, o = p / W + working, g / W, o / W
     elif st.strategy == "ddp":
         g *= 2  # gradient buckets
     rows.update({"heads weights": p, "heads grads": g, "heads AdamW states": o})
+    if cfg.head.name == "hydra_eagle":  # its lm head: the base's rows, frozen (no grads, no AdamW)
+        rows["heads frozen lm head"] = V_out * H * 4
     # base forward (no grad): one layer's transients + the hidden states kept for the heads
     BT = B * T
     E, active, expert_inter = experts(arch)
@@ -170,7 +173,7 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     uses_path = cfg.head.name != "medusa"
     in_dims = sum((k + 2) * H if uses_path else H for k in range(K))
     heads_act = BT * (in_dims * 2 + K * cfg.head.num_layers * 3 * H)
-    if cfg.head.name == "hydra_pp":
+    if cfg.head.name in ("hydra_pp", "hydra_eagle"):
         heads_act += BT * (8 * H + 3 * inter)  # the extra decoder layer's saved tensors
     rows["heads activations"] = heads_act * a
     # loss: valid positions gathered per head, one logits chunk (head + teacher), and the

@@ -25,11 +25,11 @@ from train.heads import save_heads
 log = logging.getLogger(__name__)
 
 
-def tree_named(name: str, num_heads: int) -> Tree:
-    """`chain` (top-1 guesses, one per head) or a preset tree of train/decoding/tree.py, cut to
-    the depth `num_heads` heads can propose."""
-    paths = preset_paths(name, num_heads)
-    return Tree.from_paths([p for p in paths if len(p) <= num_heads], num_heads)
+def tree_named(name: str, depth: int, limit: int | None = None) -> Tree:
+    """`chain` (`depth` top-1 guesses) or a preset tree of train/decoding/tree.py, cut to the
+    depth `limit` the heads can propose (None: any, a recurrent head set)."""
+    paths = [p for p in preset_paths(name, depth) if limit is None or len(p) <= limit]
+    return Tree.from_paths(paths, limit)
 
 
 class MeasuredTau(pl.Callback):
@@ -62,7 +62,7 @@ class MeasuredTau(pl.Callback):
         taus = {}
         try:
             for name in self.cfg.trees:
-                decoder.set_tree(tree_named(name, heads.num_heads))
+                decoder.set_tree(tree_named(name, heads.draft_depth, heads.depth_limit))
                 gens = decoder.speculative(self.prompts, self.cfg.max_new_tokens)
                 accepted = [a for g in gens for a in g.accepted]
                 taus[name] = acceptance_figures(accepted, 0)["tau"]  # eval.json's τ

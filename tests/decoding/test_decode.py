@@ -24,7 +24,7 @@ def encode(tok, text: str) -> list[int]:
 
 @given(
     paths=trees(max_depth=4, max_nodes=24),
-    arch=st.sampled_from(["medusa", "hydra", "hydra_pp"]),
+    arch=st.sampled_from(["medusa", "hydra", "hydra_pp", "hydra_eagle"]),
     seed=st.integers(0, 10_000),
     scale=st.sampled_from([0.0, 0.01, 0.3]),
     draft=st.sampled_from([None, 64]),
@@ -184,7 +184,7 @@ class TopKDecoder(Decoder):
         super().__init__(*a, **k)
         self.prompt = prompt
 
-    def propose(self, ctx, roots, lengths):
+    def propose(self, ctx, roots, lengths, memory=None):
         root = int(roots[0])
         with torch.no_grad():
             logits = self.model(torch.tensor([[*self.prompt, root]])).logits[0, -1]

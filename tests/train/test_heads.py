@@ -5,16 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import full_vocab_logits, head_config, head_step, propose_chain
+from tests.helpers import arch_shape, full_vocab_logits, head_config, head_step, propose_chain
 from train.decoding.cache import KVCache
 from train.heads import HEADS, base_shape, build_heads
 from train.heads.blocks import ResBlock
+
+# head sets of K heads with residual blocks (not the one recurrent layer of eagle-attn)
+PER_DEPTH = sorted(n for n in HEADS if not HEADS[n].recurrent)
 
 
 def make(tiny_base, name, draft=None, **kw):
     torch.manual_seed(0)
     heads = build_heads(
-        head_config(name, **{"num_heads": 3, "num_layers": 2, **kw}),
+        head_config(name, **{**arch_shape(name, 3, 2), **kw}),
         base_shape(tiny_base.config),
         tiny_base.lm_head.weight,
         draft,
@@ -30,21 +33,21 @@ def test_fresh_heads_start_as_the_base_lm_head(tiny_base, name):
     """init=ours: every head reads h_t unchanged (Hydra++: its extra layer's final RMSNorm of
     h_t, h_t / rms(h_t), so the same top-1 token as the base) through the base's lm_head."""
     heads = build_heads(
-        head_config(name, num_heads=3, num_layers=2, init="ours"),
+        head_config(name, **arch_shape(name, 3, 2), init="ours"),
         base_shape(tiny_base.config),
         tiny_base.lm_head.weight,
     )
     h = torch.randn(2, 7, 64)
     states = heads(h, torch.randn(2, 7, 64))
     want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) if name == "hydra_pp" else h
-    assert len(states) == 3
+    assert len(states) == heads.num_heads
     for k, s in enumerate(states):
         assert torch.allclose(s, want, atol=1e-5)
         assert torch.equal(heads.lm_heads[k].weight, tiny_base.lm_head.weight)
         assert torch.equal(heads.logits(k, s).argmax(-1), tiny_base.lm_head(h).argmax(-1))
 
 
-@pytest.mark.parametrize("name", sorted(HEADS))
+@pytest.mark.parametrize("name", PER_DEPTH)
 def test_untied_layers_are_distinct_modules(tiny_base, name):
     """head.tie_blocks=false (an extra: the official heads tie them) gives every block its own."""
     heads = build_heads(
@@ -65,7 +68,7 @@ def test_causality(tiny_base, name):
     ids = torch.randint(0, 250, (1, T))
     hidden = torch.randn(1, T, 64)
     base = heads(hidden, tiny_base.embed_tokens(ids))
-    for k in range(1, 4):
+    for k in range(1, heads.num_heads + 1):
         for t in range(0, T - k - 1):
             ids2, hid2 = ids.clone(), hidden.clone()
             ids2[0, t + k + 1 :] = (ids2[0, t + k + 1 :] + 7) % 250
@@ -79,7 +82,7 @@ def test_causality(tiny_base, name):
             assert heads.uses_path == (not torch.allclose(out3[0, t], base[k - 1][0, t])), (k, t)
 
 
-@pytest.mark.parametrize("name", sorted(HEADS))
+@pytest.mark.parametrize("name", PER_DEPTH)
 def test_proposal_step_equals_teacher_forcing(tiny_base, name):
     """step() on the true path reproduces the teacher-forced logits at every position."""
     heads = make(tiny_base, name)
@@ -106,7 +109,7 @@ def test_selected_positions_equal_the_full_forward(tiny_base, name):
     full = heads(hidden, emb)
     torch.manual_seed(3)
     select = []
-    for k in range(3):
+    for k in range(heads.num_heads):
         mask = torch.rand(B, T) < 0.5
         mask[1, T - 1] = k != 1  # the last position of a row; head 2 gets no position at all
         if k == 1:
@@ -129,7 +132,7 @@ def test_hydra_pp_kv_cache_matches_full_context(tiny_base):
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(HEADS))
+@pytest.mark.parametrize("name", PER_DEPTH)
 def test_draft_vocab_maps_back_to_full_ids(tiny_base, name):
     draft = torch.tensor([0, 5, 17, 42, 99, 100, 200, 250] + list(range(10, 18)))
     draft = torch.sort(torch.unique(draft)).values

@@ -63,7 +63,7 @@ def test_val_tau_is_the_verifier_s_tau_and_the_best_heads_are_kept(
         dec = Decoder(tiny_base.model, eos, heads)
         taus = {}
         for tree in ("mc_sim_7b_63", "chain"):
-            dec.set_tree(tree_named(tree, 3))
+            dec.set_tree(tree_named(tree, 3, 3))
             accepted = [a for p in prompts for a in dec.speculative([p], 12)[0].accepted]
             taus[tree] = acceptance_figures(accepted, 0)["tau"]
         if name == "heads":

@@ -63,9 +63,12 @@ def _fit(module, dm, steps, callbacks=()):
 
 @pytest.mark.parametrize("name", sorted(HEADS))
 def test_every_head_learns_and_the_base_stays_frozen(tiny_prepared, tmp_path, name):
-    cfg = _cfg(tiny_prepared, tmp_path, f"head={name}", "head.num_heads=2")
+    recurrent = HEADS[name].recurrent  # eagle-attn: one head, its lm head the base's, frozen
+    cfg = _cfg(tiny_prepared, tmp_path, f"head={name}", f"head.num_heads={1 if recurrent else 2}")
     module, dm, *_ = build_module(cfg)
     base_before = {k: v.clone() for k, v in module.base_model.state_dict().items()}
+    frozen = {k: v.clone() for k, v in module.heads.named_parameters() if not v.requires_grad}
+    assert bool(frozen) == recurrent
     log = LossLog()
     trainer = _fit(module, dm, 25, [log(module)])
     first, last = sum(log.losses[:5]) / 5, sum(log.losses[-5:]) / 5
@@ -75,7 +78,9 @@ def test_every_head_learns_and_the_base_stays_frozen(tiny_prepared, tmp_path, na
     assert all(not p.requires_grad for p in module.base_model.parameters())
     assert not module.base_model.training
     opt_params = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
-    assert opt_params == {id(p) for p in module.heads.parameters()}
+    assert opt_params == {id(p) for p in module.heads.parameters() if p.requires_grad}
+    heads_after = dict(module.heads.named_parameters())
+    assert all(torch.equal(v, heads_after[k]) for k, v in frozen.items())
 
 
 def test_offline_equals_online_on_the_same_batch(tiny_prepared, tmp_path):

@@ -31,6 +31,7 @@ from train.decoding.dynamic import DynamicTree
 from train.decoding.generation import Generation, share_times
 from train.decoding.masks import AttentionLayout, AttentionLayoutError
 from train.decoding.propose import Proposal, Proposer, root_only
+from train.decoding.recurrent import DraftMemory
 from train.decoding.sampling import (
     Accepted,
     SamplingConfig,
@@ -178,10 +179,17 @@ class Decoder:
             return gens
         return self._decode(prompts, max_new_tokens, speculate=True)
 
-    def propose(self, ctx: torch.Tensor, roots: torch.Tensor, lengths: torch.Tensor) -> Proposal:
+    def propose(
+        self,
+        ctx: torch.Tensor,
+        roots: torch.Tensor,
+        lengths: torch.Tensor,
+        memory: DraftMemory | None = None,
+    ) -> Proposal:
         """Each row's tree at heads' context ctx (B, H) and roots (B,); `lengths` (B,): where
-        each root sits in its sequence (what a test's oracle proposer reads)."""
-        return self.proposer.propose(ctx, roots)
+        each root sits in its sequence (what a test's oracle proposer reads); `memory`: a
+        recurrent head set's cache to draft against."""
+        return self.proposer.propose(ctx, roots, memory)
 
     @torch.no_grad()
     def decode_step_seconds(
@@ -213,20 +221,22 @@ class Decoder:
                 self._leave(st, done)
             t1 = time.perf_counter()
             if speculate:
-                prop = self.propose(st.ctx, st.roots, st.lengths)
+                memory = None
+                if self.heads.recurrent:
+                    memory = DraftMemory(st.head_cache, st.lengths, st.start, self.dtype)
+                prop = self.propose(st.ctx, st.roots, st.lengths, memory)
             else:
                 prop = root_only(st.roots, self.dtype)
             t2, c1 = time.perf_counter(), self.compile_s
             final, hid = self._verify(st, prop)
             t3, p0 = time.perf_counter(), self.project_s
             accepted = self._accept(prop, final)
-            n = self._keep(st, accepted, hid if speculate else None)
-            new = []
+            # each row's emitted tokens: its accepted drafts, then the bonus token
+            new = [[*prop.tokens[i, a[1:]].tolist(), b] for i, (a, b) in enumerate(accepted)]
+            n = self._keep(st, accepted, hid if speculate else None, new)
             for i, r in enumerate(st.rows):
                 gens[r].steps += 1
                 gens[r].accepted.append(int(n[i]) - 1)
-                nodes, bonus = accepted[i]
-                new.append([*prop.tokens[i, nodes[1:]].tolist(), bonus])
             st.roots = torch.tensor([b for _, b in accepted], device=self.device)
             done = self._emit(st, gens, new, max_new)
             t4 = time.perf_counter()
@@ -301,7 +311,12 @@ class Decoder:
         roots = sample_rows(self.lm_head(final[last]), s.temperature, self.generator, s.typical)
         st = _Rows(cache, head_cache, P.clone(), Pm, roots, list(range(B)))
         if speculate:
-            st.ctx = self.heads.context(hid, cache=head_cache, positions=pos)[last]
+            extra = {}
+            if self.heads.recurrent:  # position p reads the token after it: the root at the end
+                nxt = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+                nxt[last] = roots
+                extra["next_emb"] = self.embed(nxt)
+            st.ctx = self.heads.context(hid, cache=head_cache, positions=pos, **extra)[last]
         return st
 
     def _mask(self, st: _Rows, bias: torch.Tensor, n: int, dtype) -> torch.Tensor | None:
@@ -370,9 +385,17 @@ class Decoder:
                 out.append(rule)
         return out
 
-    def _keep(self, st: _Rows, accepted: list[Accepted], hid: torch.Tensor | None):
+    def _keep(
+        self,
+        st: _Rows,
+        accepted: list[Accepted],
+        hid: torch.Tensor | None,
+        new: list[list[int]],
+    ):
         """Keep each row's accepted entries in the caches and, with `hid` (speculative
-        decoding), read them into the heads' context. Returns (B,) accepted counts."""
+        decoding), read them into the heads' context; `new`: each row's emitted tokens (the
+        tokens after its accepted nodes, which a recurrent head set's context reads). Returns
+        (B,) accepted counts."""
         dev = self.device
         n = torch.tensor([int(a.numel()) for a, _ in accepted], device=dev)
         # a shorter row repeats its last node into its last slot: same value, same place
@@ -395,7 +418,11 @@ class Decoder:
                 bias = torch.zeros(m, m, dtype=self.dtype, device=dev)
                 bias = bias.masked_fill(causal, torch.finfo(self.dtype).min)
                 hmask = self._mask(st, bias[None, None], m, self.dtype)
-            ctx = self.heads.context(h, cache=st.head_cache, positions=hpos, mask=hmask)
+            extra = {}
+            if self.heads.recurrent:  # accepted node j reads the token emitted after it
+                nxt = torch.tensor([toks + toks[-1:] * (m - len(toks)) for toks in new], device=dev)
+                extra["next_emb"] = self.embed(nxt)
+            ctx = self.heads.context(h, cache=st.head_cache, positions=hpos, mask=hmask, **extra)
             st.head_cache.keep(start + col, dst, end)
             st.ctx = ctx[rows[:, 0], n - 1]
         st.lengths = st.lengths + n

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from train.decoding.recurrent import recurrent_step
 from train.decoding.tree import Tree, TreeError
 
 
@@ -41,13 +42,15 @@ class DynamicTree:
         if self.depth is not None and self.depth < 1:
             raise TreeError(f"tree.depth={self.depth} is invalid: an integer >= 1 or null")
 
-    def levels(self, num_heads: int) -> int:
-        if self.depth is not None and self.depth > num_heads:
+    def levels(self, draft_depth: int, limit: int | None = None) -> int:
+        """Levels grown: `depth`, or the heads' `draft_depth` when None; fails past `limit`,
+        the deepest the heads draft (None: any depth, a recurrent head set)."""
+        if self.depth is not None and limit is not None and self.depth > limit:
             raise TreeError(
-                f"tree.depth={self.depth} but the heads propose only {num_heads} tokens: use "
-                f"tree.depth <= {num_heads} or null"
+                f"tree.depth={self.depth} but the heads propose only {limit} tokens: use "
+                f"tree.depth <= {limit} or null"
             )
-        return self.depth or num_heads
+        return self.depth or draft_depth
 
     @property
     def max_nodes(self) -> int:
@@ -57,23 +60,46 @@ class DynamicTree:
 
 @torch.no_grad()
 def grow_dynamic(
-    spec: DynamicTree, heads, embed, ctx: torch.Tensor, roots: torch.Tensor
+    spec: DynamicTree, heads, embed, ctx: torch.Tensor, roots: torch.Tensor, memory=None
 ) -> list[tuple[Tree, torch.Tensor]]:
     """Each row's tree and its tokens (N_b,), root first, in the tree's node order.
 
     ctx: (B, H) the heads' context at each row's last accepted position; roots: (B,) each
     row's next token from the base. Every depth is one heads call for every row and node it
-    expands.
+    expands. A recurrent head set (memory: its DraftMemory) first runs its layer on the
+    frontier (each node's token and its parent's output state, attending to the prefix and
+    its ancestors), then scores their children; the drafted keys and values are dropped at
+    the end.
     """
+    if heads.recurrent:
+        end = memory.cache.end
+        try:
+            return _grow(spec, heads, embed, ctx, roots, memory)
+        finally:
+            memory.cache.end = end
+    return _grow(spec, heads, embed, ctx, roots, None)
+
+
+def _grow(spec: DynamicTree, heads, embed, ctx, roots, memory) -> list[tuple[Tree, torch.Tensor]]:
+    # Over 80 lines with its docstring's caller: one depth loop keeps the frontier's tokens,
+    # probabilities, ranks and (recurrent) states and ancestors in step.
     B = ctx.shape[0]
-    D = spec.levels(heads.num_heads)
+    D = spec.levels(heads.draft_depth, heads.depth_limit)
     toks = roots.view(B, 1, 1)  # (B, P, d + 1): the frontier's token paths, root first
     lp = torch.zeros(B, 1, device=ctx.device)  # (B, P) their log cumulative probability
     ranks: list[list[tuple[int, ...]]] = [[()] for _ in range(B)]  # their rank paths
     found: list[list[tuple[tuple[int, ...], int, float]]] = [[] for _ in range(B)]
+    states = ctx[:, None]  # (B, P, H) recurrent: the frontier's parents' output states
+    anc = torch.zeros(B, 1, 0, dtype=torch.bool, device=ctx.device)  # (B, P, R) ancestors
     for d in range(D):
         P = toks.shape[1]
-        if heads.uses_path:
+        if heads.recurrent:
+            if d > 0:  # the frontier's own states (the root's is the context)
+                states = recurrent_step(heads, embed, memory, toks[:, :, -1], states, d, anc)
+                own = torch.eye(P, dtype=torch.bool, device=anc.device).expand(B, P, P)
+                anc = torch.cat([anc, own], -1)  # a child's ancestors: its parent's and it
+            logq = F.log_softmax(heads.logits(0, states).float(), dim=-1)  # (B, P, V)
+        elif heads.uses_path:
             x = ctx[:, None].expand(B, P, -1).reshape(B * P, -1)
             state = heads.head_input(d, x, embed(toks.reshape(B * P, -1)))
             logq = F.log_softmax(heads.logits(d, state).float(), dim=-1).view(B, P, -1)
@@ -98,6 +124,10 @@ def grow_dynamic(
         toks = torch.cat([toks.gather(1, parent), child_ids.gather(1, order)[:, :, None]], -1)
         lp = child_lp.gather(1, order)
         ranks = [[child_ranks[b][j] for j in row] for b, row in enumerate(order.tolist())]
+        if heads.recurrent:  # each child keeps its parent's state and ancestors
+            par = order // W  # (B, E)
+            states = states.gather(1, par[:, :, None].expand(-1, -1, states.shape[-1]))
+            anc = anc.gather(1, par[:, :, None].expand(-1, -1, anc.shape[-1]))
     out = []
     for b in range(B):
         # the budget best by cumulative probability; a parent sorts before its children
@@ -119,7 +149,12 @@ class Shape:
 
 
 def by_temperature(
-    temperature: float, budget: int, cold: Shape, hot: Shape, hot_at: float, num_heads: int
+    temperature: float,
+    budget: int,
+    cold: Shape,
+    hot: Shape,
+    hot_at: float,
+    num_heads: int,
 ) -> DynamicTree:
     """`tree=temperature`: the dynamic tree for a sampling temperature. Greedy decoding accepts
     a draft only if it is the base's argmax, and the heads' top-1 is right often enough that
@@ -127,7 +162,8 @@ def by_temperature(
     temperature spreads the base's distribution: a sampled token is less often the heads'
     top-1, so deep paths rarely survive and more siblings per level catch more of the mass
     (the `hot` shape, at temperature >= `hot_at`). In between, expand, width and depth are
-    interpolated linearly and rounded; the node budget stays."""
+    interpolated linearly and rounded; the node budget stays. `num_heads`: the depth of a
+    shape whose depth is None (the heads' draft depth)."""
     f = min(max(temperature / hot_at, 0.0), 1.0) if hot_at > 0 else 1.0
     depth = [s.depth or num_heads for s in (cold, hot)]
 
@@ -138,5 +174,5 @@ def by_temperature(
         budget,
         mix(cold.expand, hot.expand),
         mix(cold.width, hot.width),
-        min(mix(*depth), num_heads),
+        mix(*depth),  # between two depths the heads draft (fixed_tree checked them)
     )

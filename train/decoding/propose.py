@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from train.decoding.dynamic import DynamicTree, grow_dynamic
+from train.decoding.recurrent import DraftMemory, expand_recurrent
 from train.decoding.tree import Tree, tree_bias
 
 ROOT_ONLY = Tree.from_paths([])
@@ -74,10 +75,10 @@ class Proposer:
 
     def set_tree(self, tree: Tree | DynamicTree) -> None:
         if isinstance(tree, DynamicTree):
-            tree.levels(self.heads.num_heads)  # fails clearly if deeper than the heads
+            tree.levels(self.heads.draft_depth, self.heads.depth_limit)  # fails if too deep
             self.dynamic, self.tree = tree, None
             return
-        tree.check_heads(self.heads.num_heads)
+        tree.check_heads(self.heads.depth_limit)
         self.tree, self.dynamic = tree, None
         self.bias = tree_bias(tree, self.dtype, self.device)[None, None]
         self.depth = tree.depth.to(self.device)[None]
@@ -92,17 +93,25 @@ class Proposer:
     @property
     def max_depth(self) -> int:
         if self.dynamic is not None:
-            return self.dynamic.levels(self.heads.num_heads)
+            return self.dynamic.levels(self.heads.draft_depth, self.heads.depth_limit)
         return self.tree.max_depth if self.tree is not None else 0
 
     @torch.no_grad()
-    def propose(self, ctx: torch.Tensor, roots: torch.Tensor) -> Proposal:
-        """Each row's tree from its heads' context ctx (B, H) and its root token roots (B,)."""
+    def propose(
+        self, ctx: torch.Tensor, roots: torch.Tensor, memory: DraftMemory | None = None
+    ) -> Proposal:
+        """Each row's tree from its heads' context ctx (B, H) and its root token roots (B,);
+        `memory`: what a recurrent head set attends to while drafting."""
         B = ctx.shape[0]
+        if self.heads.recurrent and memory is None:
+            raise ValueError(f"{self.heads.arch} heads draft from their own cache: pass memory")
         if self.dynamic is None:
-            tokens = expand_tree(self.heads, self.embed, self.tree, ctx, roots)
+            if self.heads.recurrent:
+                tokens = expand_recurrent(self.heads, self.embed, self.tree, ctx, roots, memory)
+            else:
+                tokens = expand_tree(self.heads, self.embed, self.tree, ctx, roots)
             return Proposal([self.tree] * B, tokens, self.bias, self.depth)
-        grown = grow_dynamic(self.dynamic, self.heads, self.embed, ctx, roots)
+        grown = grow_dynamic(self.dynamic, self.heads, self.embed, ctx, roots, memory)
         if B == 1:
             tree, toks = grown[0]
             bias = tree_bias(tree, self.dtype, self.device)[None, None]

@@ -150,8 +150,9 @@ class Tree:
             out.append(Level(d, parents, paths, nodes, row, self.rank[nodes], topk))
         return tuple(out)
 
-    def check_heads(self, num_heads: int) -> None:
-        if self.max_depth > num_heads:
+    def check_heads(self, num_heads: int | None) -> None:
+        """Fail if the tree is deeper than heads that draft `num_heads` levels (None: any)."""
+        if num_heads is not None and self.max_depth > num_heads:
             raise TreeError(
                 f"the tree is {self.max_depth} levels deep but the heads propose only "
                 f"{num_heads}; use a tree of depth <= {num_heads} (e.g. tree=chain)"

@@ -28,7 +28,12 @@ from train.heads import HeadSet
 from train.heads.io import recorded_head
 
 HF_KEYS = ("architectures", "model_type", "base_model_name_or_path", "torch_dtype")
-ARCH_CLASS = {"medusa": "MedusaHeads", "hydra": "HydraHeads", "hydra_pp": "HydraPPHeads"}
+ARCH_CLASS = {
+    "medusa": "MedusaHeads",
+    "hydra": "HydraHeads",
+    "hydra_pp": "HydraPPHeads",
+    "hydra_eagle": "EagleAttnHeads",
+}
 
 
 def files(

@@ -81,6 +81,21 @@ def _names(k_heads: int, n_layers: int, grounded: bool, prefix: bool) -> list[tu
     return names + [(PREFIX[0] + n, PREFIX[1] + n) for n in (PREFIX_TENSORS if prefix else [])]
 
 
+# hydra_eagle <-> their EagleAttentionDecoderLayer (hydra_head_arch=eagle-attn): the same names
+# for `fc.*` and the decoder layer `attn.*`; our frozen lm head is theirs, the base's
+# `lm_head` (registered in their module, so saved with it; their `input_embed_fn` is the
+# base's embedding table, not written, skipped when read, as their loader's strict=False allows)
+EAGLE_TENSORS = [
+    "fc.weight",
+    "fc.bias",
+    *(f"attn.self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"attn.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    "attn.input_layernorm.weight",
+    "attn.post_attention_layernorm.weight",
+]
+EAGLE_NAMES = [(n, n) for n in EAGLE_TENSORS] + [("lm_heads.0.weight", "lm_head.weight")]
+
+
 def files(heads: HeadSet, base_id: str) -> dict[str, Any]:
     """The format=hydra export of `heads` trained on `base_id`: file name -> content."""
     if heads.draft is not None:
@@ -89,6 +104,18 @@ def files(heads: HeadSet, base_id: str) -> dict[str, Any]:
             "be exported as format=hydra: zankner/Hydra's hydra_lm_head layers score the full "
             "vocab. Export format=hf, or train with head.draft_vocab_size=null"
         )
+    if heads.arch == "hydra_eagle":
+        sd = heads.state_dict()
+        config = {
+            "hydra_num_heads": 1,
+            "hydra_num_layers": 1,
+            "hydra_head_arch": "eagle-attn",
+            "grounded_heads": True,
+            "hidden_state_offset": heads.cfg.hidden_state_offset,
+            "base_model_name_or_path": base_id,
+        }
+        state = {t: sd[o] for o, t in EAGLE_NAMES}
+        return {"config.json": json.dumps(config, indent=2) + "\n", HYDRA_WEIGHTS: state}
     grounded, prefix = heads.arch != "medusa", heads.arch == "hydra_pp"
     k_heads, n_layers = heads.num_heads, heads.cfg.num_layers
     sd = heads.state_dict()
@@ -129,12 +156,16 @@ def read(src: Path) -> Parsed:
     # Defaults are those of zankner/Hydra's HydraConfig, which its loader applies too.
     arch = cfg.get("hydra_head_arch", "mlp")
     grounded = bool(cfg.get("grounded_heads", False))
-    if arch not in ("mlp", "prefix-mlp") or (arch == "prefix-mlp" and not grounded):
+    known = arch in ("mlp", "prefix-mlp", "eagle-attn")
+    if not known or (arch in ("prefix-mlp", "eagle-attn") and not grounded):
         what = f"hydra_head_arch = {arch!r}, grounded_heads = {str(grounded).lower()}"
         raise FormatError(
             f"{cfg_path}: {what} cannot be imported: our heads have no counterpart of it; mlp "
-            "(medusa, hydra) and grounded prefix-mlp (hydra_pp) map exactly onto ours"
+            "(medusa, hydra), grounded prefix-mlp (hydra_pp) and grounded eagle-attn "
+            "(hydra_eagle) map exactly onto ours"
         )
+    if arch == "eagle-attn":
+        return _read_eagle(src, cfg, cfg_path)
     prefix = arch == "prefix-mlp"
     k_heads = as_int(cfg, "hydra_num_heads", 4, cfg_path)
     n_layers = as_int(cfg, "hydra_num_layers", 1, cfg_path)
@@ -159,4 +190,22 @@ def read(src: Path) -> Parsed:
     name = "hydra_pp" if prefix else "hydra" if grounded else "medusa"
     # their blocks after the first are one module: ours tied too, so training keeps them so
     head = head_config(name, **settings, bias=has_bias, tie_blocks=True, init="official")
+    return Parsed(head, hidden, vocab, ours, str(cfg.get("base_model_name_or_path", "?")))
+
+
+def _read_eagle(src: Path, cfg: dict, cfg_path: Path) -> Parsed:
+    """An eagle-attn checkpoint (EagleAttentionDecoderLayer): one head of one layer."""
+    for key in ("hydra_num_heads", "hydra_num_layers"):
+        if as_int(cfg, key, 1, cfg_path) != 1:
+            raise FormatError(
+                f"{cfg_path}: {key} = {cfg[key]} for eagle-attn, whose module asserts 1: "
+                "the file is not one zankner/Hydra wrote"
+            )
+    offset = as_int(cfg, "hidden_state_offset", 0, cfg_path)
+    take = Take(src / HYDRA_WEIGHTS)
+    ours = {o: take(t) for o, t in EAGLE_NAMES}
+    take.done(ignore=IGNORED, ignore_suffix="rotary_emb.inv_freq")
+    vocab, hidden = ours["lm_heads.0.weight"].shape
+    settings = {"num_heads": 1, "num_layers": 1, "hidden_state_offset": offset}
+    head = head_config("hydra_eagle", **settings, bias=False, tie_blocks=True, init="official")
     return Parsed(head, hidden, vocab, ours, str(cfg.get("base_model_name_or_path", "?")))

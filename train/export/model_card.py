@@ -10,7 +10,12 @@ from train.core.config import fail
 from train.export.common import read_json
 from train.heads import HeadSet
 
-ARCH_TITLE = {"medusa": "Medusa", "hydra": "Hydra", "hydra_pp": "Hydra++"}
+ARCH_TITLE = {
+    "medusa": "Medusa",
+    "hydra": "Hydra",
+    "hydra_pp": "Hydra++",
+    "hydra_eagle": "Hydra eagle-attn",
+}
 
 
 def eval_result(
@@ -64,6 +69,8 @@ def model_card(heads: HeadSet, meta: dict, base_id: str, res: dict | None) -> st
         "before its target (Ankner et al., 2024)",
         "hydra_pp": "Hydra heads over one extra causal self-attention decoder layer, "
         "distilled from the base model (Ankner et al., 2024)",
+        "hydra_eagle": "one EAGLE-style decoder layer over the next token's embedding and the "
+        "base hidden state, drafting recurrently on its own states (zankner/Hydra eagle-attn)",
     }[heads.arch]
     front = ["---", "library_name: hydra-heads"]
     if re.fullmatch(r"[\w.-]+/[\w.-]+", base_id):  # only a hub id is a valid `base_model`

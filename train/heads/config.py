@@ -58,7 +58,7 @@ class LossConfig(ConfigModel):
 class HeadConfig(ConfigModel):
     """Architecture of a draft head set."""
 
-    name: Literal["medusa", "hydra", "hydra_pp"]
+    name: Literal["medusa", "hydra", "hydra_pp", "hydra_eagle"]
     num_heads: Annotated[int, check(lambda v: 1 <= v <= 16, "an integer in [1, 16]")]
     num_layers: Positive  # residual MLP blocks per head, each with its own weights
     hidden_state_offset: NonNegative  # 0: last (post-norm) state; n: n-th layer from the last
@@ -76,3 +76,14 @@ class HeadConfig(ConfigModel):
     # extra layer = its final norm); official: zankner/Hydra's (random projections and biases).
     init: Literal["ours", "official"]
     loss: LossConfig
+
+    @model_validator(mode="after")
+    def _one_recurrent_layer(self) -> HeadConfig:
+        if self.name == "hydra_eagle":  # zankner/Hydra's eagle-attn: one layer, no dropout
+            why = "hydra_eagle is one decoder layer drafting recurrently (tree depth: the tree's)"
+            for key, want in (("num_heads", 1), ("num_layers", 1), ("dropout", 0.0)):
+                if getattr(self, key) != want:
+                    fail(key, getattr(self, key), f"{want} ({why})")
+            if self.bias:
+                fail("bias", True, "false (hydra_eagle scores with the base's own lm_head)")
+        return self

@@ -20,8 +20,15 @@ class HeadSet(nn.Module):
     arch: str = ""
     uses_path: bool = False  # True when head k is conditioned on the tokens before its target
     # Where zankner/Hydra adds its training noise: to the base hidden state too (mlp heads), or
-    # to the path embeddings only (prefix-mlp: the extra layer reads the clean hidden states)
+    # to the path embeddings only (prefix-mlp: the extra layer reads the clean hidden states);
+    # eagle-attn: to the hidden state only
     noise_on_hidden: bool = True
+    noise_on_path: bool = True
+    # A recurrent head set (eagle-attn) is one draft layer: its context at position t reads the
+    # next token's embedding too, and it drafts deeper on its own output states (`step`)
+    # instead of with one head per depth.
+    recurrent: bool = False
+    RECURRENT_DEPTH = 4  # a recurrent set's chain and dynamic trees: mc_sim_7b_63's depth
 
     def __init__(
         self,
@@ -77,14 +84,32 @@ class HeadSet(nn.Module):
         return self.cfg.num_heads
 
     @property
+    def depth_limit(self) -> int | None:
+        """The deepest tree the heads can draft: one depth per head (None: any depth)."""
+        return None if self.recurrent else self.cfg.num_heads
+
+    @property
+    def draft_depth(self) -> int:
+        """How deep a chain or a dynamic tree drafts by default."""
+        return self.RECURRENT_DEPTH if self.recurrent else self.cfg.num_heads
+
+    @property
     def out_vocab_size(self) -> int:
         return self.draft.size if self.draft is not None else self.vocab_size
 
     # -- what subclasses define -------------------------------------------------------------
-    def context(self, hidden: torch.Tensor, cache=None, positions=None, mask=None) -> torch.Tensor:
+    def context(
+        self, hidden: torch.Tensor, cache=None, positions=None, mask=None, next_emb=None
+    ) -> torch.Tensor:
         """(B, T, H) base hidden states -> (B, T, H) head context. Causal in T. cache,
-        positions and mask are for heads with a context layer of their own (Hydra++)."""
+        positions and mask are for heads with a context layer of their own (Hydra++);
+        next_emb (B, T, H), the embeddings of the tokens after each position, for recurrent
+        heads."""
         return hidden
+
+    def step(self, emb, parent, cache, positions, mask) -> torch.Tensor:
+        """A recurrent head set's drafting step (see EagleAttnHeads.step)."""
+        raise NotImplementedError(f"{self.arch} heads draft with one head per depth")
 
     def head_input(self, k: int, ctx: torch.Tensor, path: torch.Tensor | None) -> torch.Tensor:
         """Input of head k (0-based) from context (..., H) and path embeddings (..., k+1, H)."""
@@ -112,16 +137,19 @@ class HeadSet(nn.Module):
         noise = None
         if self.training and self.cfg.noise_alpha > 0:  # one draw for h_t and the embeddings
             noise = official_noise(hidden, self.cfg.noise_alpha, lengths)
-        ctx = self.context(hidden + noise if noise is not None and self.noise_on_hidden else hidden)
         emb = None
         if self.uses_path:
             if input_embeds is None:
                 raise ValueError(f"{self.arch} heads need input_embeds")
-            emb = input_embeds if noise is None else input_embeds + noise
+            on_path = noise is not None and self.noise_on_path
+            emb = input_embeds + noise if on_path else input_embeds
             B, _, H = emb.shape
             # e(x_{t+1+j}) for t + 1 + j >= T is zero: (B, T + K, H)
             emb = torch.cat([emb, emb.new_zeros(B, self.num_heads, H)], dim=1)
         T = hidden.shape[1]
+        h = hidden + noise if noise is not None and self.noise_on_hidden else hidden
+        # a recurrent set's context reads e(x_{t+1}) beside h_t
+        ctx = self.context(h, next_emb=emb[:, 1 : T + 1]) if self.recurrent else self.context(h)
         out = []
         for k in range(self.num_heads):
             if select is None:

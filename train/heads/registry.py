@@ -10,6 +10,7 @@ import torch
 from train.heads.config import HeadConfig
 from train.heads.headset import HeadSet
 from train.heads.hydra import HydraHeads
+from train.heads.hydra_eagle import EagleAttnHeads
 from train.heads.hydra_pp import HydraPPHeads
 from train.heads.medusa import MedusaHeads
 
@@ -17,6 +18,7 @@ HEADS: dict[str, type[HeadSet]] = {
     "medusa": MedusaHeads,
     "hydra": HydraHeads,
     "hydra_pp": HydraPPHeads,
+    "hydra_eagle": EagleAttnHeads,
 }
 
 # Base-config fields that shape the heads (Hydra++'s extra layer copies the attention shape).
