@@ -134,6 +134,26 @@ def test_bf16_weights_are_packed_too_and_decode_as_the_standard_layout(tiny_base
         assert torch.allclose(back(x.float()), ref, rtol=2e-2, atol=2e-2) and not calls
 
 
+@pytest.mark.parametrize("units", [True, False])
+def test_auto_packs_bf16_untimed_where_the_cpu_has_bf16_units(tiny_base, monkeypatch, units):
+    """On a CPU with bf16 units a bf16 weight takes its packed copy at every row count without
+    timing (torch's bf16 matmul is the same kernel after a reorder per call); without them,
+    and for float32 weights, the timing decides."""
+    timed = []
+
+    def fake(weights, packed):
+        timed.append(weights[0].dtype)
+        return (False,) + (True,) * 3 + (False,) * (backend.PROBE_ROWS[-1] - 3)
+
+    monkeypatch.setattr(backend, "packed_rows", fake)
+    monkeypatch.setattr(backend, "cpu_has_bf16", lambda: units)
+    bf16 = copy.deepcopy(tiny_base.model).to(torch.bfloat16)
+    chosen = use_weight_layout(bf16, copy.deepcopy(tiny_base.model))
+    assert chosen and all(v == ("1+" if k.endswith("bfloat16") and units else "1-3")
+                          for k, v in chosen.items())  # fmt: skip
+    assert set(timed) == ({torch.float32} if units else {torch.float32, torch.bfloat16})
+
+
 def test_a_torch_that_cannot_pack_keeps_the_standard_layout(tiny_base, monkeypatch):
     """auto falls back to torch's own matmul; packed, asked for explicitly, says why not."""
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.core.errors import UserError
+from train.core.hardware import cpu_has_bf16
 
 ATTENTION = "hydra_sdpa_gqa"
 BASE_QUANT = ("none", "bf16", "int8")
@@ -286,8 +287,14 @@ def use_weight_layout(
             ) from e
         return {}
     every = (False,) + (True,) * PROBE_ROWS[-1]
+    # bf16 on a CPU with bf16 units: packed at every count, untimed. torch's own bf16 matmul is
+    # the same oneDNN kernel after a reorder of the weight at every call, so it is never
+    # faster, and a noisy start-up timing once sent a 49k x 576 projection's 9-48 rows to it
+    # (4.7 ms a call against 1.3); without the units either may win, and timing decides.
     chosen = {
-        g: every if layout == "packed" else packed_rows(list(ws.values()), [packed[k] for k in ws])
+        g: every
+        if layout == "packed" or (g[2] == torch.bfloat16 and cpu_has_bf16())
+        else packed_rows(list(ws.values()), [packed[k] for k in ws])
         for g, ws in groups.items()
     }
     for parent, name, lin in linears:
