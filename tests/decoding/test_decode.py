@@ -131,6 +131,19 @@ def test_greedy_rule_follows_the_matching_child():
         assert len(calls) == passes, (ahead, calls)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_ids_take_the_first_of_tied_maxima_as_argmax_does(dtype):
+    """greedy_ids (max's indices, faster on bf16) is argmax exactly: rounded logits tie often,
+    and the first maximum wins in both, contiguous or not."""
+    from train.decoding.sampling import greedy_ids
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 8, (64, 4096)).to(dtype)  # every row's maximum tied hundreds of times
+    assert (x == x.max(-1, keepdim=True).values).sum(-1).min() > 100
+    for y in (x, x[:, ::3], x[:1]):
+        assert torch.equal(greedy_ids(y), y.argmax(-1))
+
+
 def test_sampling_config_rejects_mismatched_rules():
     with pytest.raises(ValueError, match="greedy acceptance is for temperature 0"):
         SamplingConfig(temperature=0.0, acceptance="rejection", seed=0)

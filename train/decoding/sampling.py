@@ -124,7 +124,7 @@ def accept_greedy(
                     break
                 n = kids[0]
         choice = logits(torch.tensor(rows, device=dev), torch.tensor(at, device=dev))
-        for b, n, c in zip(rows, at, choice.argmax(-1).tolist(), strict=True):
+        for b, n, c in zip(rows, at, greedy_ids(choice).tolist(), strict=True):
             known[b][n] = c
         still = []
         for b in active:
@@ -139,6 +139,12 @@ def accept_greedy(
                 still.append(b)  # reached a node not projected yet
         active = still
     return [(torch.tensor(n, device=dev), c) for n, c in zip(nodes, bonus, strict=True)]
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim, the first of tied maxima, as `argmax` (both documented so):
+    `max` is 4x faster on bf16 CPU logits (a 49k-vocab row: 40 us against 178 on 2 cores)."""
+    return logits.max(-1).indices
 
 
 def row_logits(logits: Logits, row: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -225,7 +231,7 @@ def sample_rows(
     a draw (restricted to the typical set when `typical=(threshold, alpha)`, to the nucleus of
     `top_p` when < 1). `generator` None draws from torch's global generator."""
     if temperature == 0:
-        return logits.argmax(-1)
+        return greedy_ids(logits)
     p = F.softmax(logits.double() / temperature, dim=-1)
     if typical is not None:
         p = torch.where(p > typical_threshold(p, *typical)[..., None], p, 0.0)
