@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from train.heads.config import RECURRENT
+
 GPUS_GB = {"a100_40gb": 40, "a100_80gb": 80, "h100_80gb": 80, "h200": 141, "l40s": 48, "a10g": 24}
 GIB = 1024**3
 ARCH_KEYS = (
@@ -152,13 +154,13 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     elif sharded:
         # + what is gathered whole during a step: the output projections (read by the loss for
         # the whole step) and the largest head module at a time
-        lm = 0 if cfg.head.name == "hydra_eagle" else K * V_out * H  # eagle's is frozen
+        lm = 0 if cfg.head.name in RECURRENT else K * V_out * H  # theirs is frozen
         working = 4 * (lm + (P_heads - lm) / K)
         p, g, o = p / W + working, g / W, o / W
     elif st.strategy == "ddp":
         g *= 2  # gradient buckets
     rows.update({"heads weights": p, "heads grads": g, "heads AdamW states": o})
-    if cfg.head.name == "hydra_eagle":  # its lm head: the base's rows, frozen (no grads, no AdamW)
+    if cfg.head.name in RECURRENT:  # its lm head: the base's rows, frozen (no grads, no AdamW)
         rows["heads frozen lm head"] = V_out * H * 4
     # base forward (no grad): one layer's transients + the hidden states kept for the heads
     BT = B * T
@@ -173,7 +175,7 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     uses_path = cfg.head.name != "medusa"
     in_dims = sum((k + 2) * H if uses_path else H for k in range(K))
     heads_act = BT * (in_dims * 2 + K * cfg.head.num_layers * 3 * H)
-    if cfg.head.name in ("hydra_pp", "hydra_eagle"):
+    if cfg.head.name in ("hydra_pp", *RECURRENT):
         heads_act += BT * (8 * H + 3 * inter)  # the extra decoder layer's saved tensors
     rows["heads activations"] = heads_act * a
     # loss: valid positions gathered per head, one logits chunk (head + teacher), and the

@@ -165,17 +165,22 @@ def test_format_hydra_round_trip_matches_the_official_module(tmp_path, tiny_base
         assert n == m and torch.equal(a, b), n
 
 
-def test_eagle_trains_and_decodes_losslessly_from_the_cli(tmp_path, tiny_prepared):
-    """`train head=hydra_eagle` then `eval` on every kind of tree: a calibrated one (measured
-    by unrolling the layer on its own states, four depths deep from one head), a chain as
-    deep as the recurrent default, a dynamic one; all lossless. Then `export format=hydra`."""
+@pytest.mark.parametrize(("name", "arch"), [("hydra_eagle", "eagle-attn"),
+                                            ("hydra_cross_attn", "cross-attn")])  # fmt: skip
+def test_recurrent_heads_train_and_decode_losslessly_from_the_cli(
+    tmp_path, tiny_prepared, name, arch
+):
+    """`train head=hydra_eagle` (and cross-attn) then `eval` on every kind of tree: a
+    calibrated one (measured by unrolling the layer on its own states, four depths deep from
+    one head), a chain as deep as the recurrent default, a dynamic one; all lossless. Then
+    `export format=hydra`."""
     from tests.helpers import run_here
 
     out = tmp_path / "run"
     r = run_here(
         "train",
         "base=tiny_random",
-        "head=hydra_eagle",
+        f"head={name}",
         f"data.prepared={tiny_prepared}",
         f"out={out}",
         "trainer.max_steps=30",
@@ -192,17 +197,17 @@ def test_eagle_trains_and_decodes_losslessly_from_the_cli(tmp_path, tiny_prepare
         "chain": ("tree=chain",),
         "dynamic": ("tree=dynamic", "tree.budget=8"),
     }
-    for name, tree in trees.items():
-        ev = tmp_path / name
+    for kind, tree in trees.items():
+        ev = tmp_path / kind
         r = run_here("eval", f"heads={heads}", f"out={ev}", *tree, *common)
-        assert r.returncode == 0, (name, r.stderr[-3000:])
+        assert r.returncode == 0, (kind, r.stderr[-3000:])
         res = json.loads((ev / "eval.json").read_text())
-        assert res["lossless"] is True and res["arch"] == "hydra_eagle", name
-        if name == "calibrated":
+        assert res["lossless"] is True and res["arch"] == name, tree
+        if tree[0] == "tree=calibrated":
             assert len(res["tree"]["calibration"]["acc"]) == 4  # one head, four depths
-        if name == "chain":
+        if tree[0] == "tree=chain":
             assert res["tree"]["depth"] == 4 and res["tree"]["num_nodes"] == 4
     r = run_here("export", f"heads={heads}", "format=hydra", f"out={tmp_path / 'x'}")
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = json.loads((tmp_path / "x" / "config.json").read_text())
-    assert cfg["hydra_head_arch"] == "eagle-attn"
+    assert cfg["hydra_head_arch"] == arch

@@ -477,12 +477,21 @@ def test_import_refuses_what_our_heads_cannot_hold(tmp_path, tiny_base):
     with pytest.raises(FormatError, match=r"no place for: hydra_mlp.0.7.linear.weight"):
         import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
     cfg = json.loads((tmp_path / "x" / "config.json").read_text())
-    for arch, grounded in (("prefix-mlp", False), ("cross-attn", True)):
+    for arch, grounded in (("prefix-mlp", False), ("cross-attn", False), ("moe-mlp", True)):
         (tmp_path / "x" / "config.json").write_text(
             json.dumps({**cfg, "hydra_head_arch": arch, "grounded_heads": grounded})
         )
         with pytest.raises(FormatError, match=f"'{arch}', grounded_heads = .* cannot be imported"):
             import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
+    # a cross-attn config over an mlp checkpoint: its sizes, then its tensors, are not theirs
+    bad = {**cfg, "hydra_head_arch": "cross-attn"}
+    (tmp_path / "x" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(FormatError, match="hydra_num_heads = 3 for cross-attn, whose module asserts 1"):
+        import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
+    bad.update(hydra_num_heads=1, hydra_num_layers=1)
+    (tmp_path / "x" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(FormatError, match="cross_attn.q_proj.weight"):
+        import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
     with pytest.raises(FormatError, match="is not a hydra-heads hf export"):
         import_heads(tmp_path / "x", "hf", TINY, tmp_path / "back")
     assert not (tmp_path / "back").exists()

@@ -53,6 +53,7 @@ def recurrent_step(heads, embed, memory: DraftMemory, tokens, parents, depth, an
         memory.cache,
         memory.positions(depth, P),
         memory.mask(ancestors),
+        memory.positions(0, P),  # the last accepted position: cross-attn's ancestor keys
     )
 
 
@@ -115,7 +116,8 @@ def unroll(
     for k in range(2, depth + 1):
         seen = torch.cat([causal] + [eye] * (k - 1), dim=-1)  # contexts, chain states, itself
         mask = torch.zeros(seen.shape, dtype=dtype, device=dev).masked_fill(~seen, neg)
+        pos = (idx + k - 1)[None]
         states.append(
-            heads.step(embed(shifted(k)), states[-1], cache, (idx + k - 1)[None], mask[None, None])
+            heads.step(embed(shifted(k)), states[-1], cache, pos, mask[None, None], idx[None])
         )
     return states

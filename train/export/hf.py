@@ -33,6 +33,7 @@ ARCH_CLASS = {
     "hydra": "HydraHeads",
     "hydra_pp": "HydraPPHeads",
     "hydra_eagle": "EagleAttnHeads",
+    "hydra_cross_attn": "CrossAttnHeads",
 }
 
 

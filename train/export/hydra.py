@@ -94,6 +94,20 @@ EAGLE_TENSORS = [
     "attn.post_attention_layernorm.weight",
 ]
 EAGLE_NAMES = [(n, n) for n in EAGLE_TENSORS] + [("lm_heads.0.weight", "lm_head.weight")]
+# hydra_cross_attn <-> their HydraCrossAttentionDecoderLayer (hydra_head_arch=cross-attn): the
+# same names, the lm head as for eagle-attn
+CROSS_TENSORS = [
+    *(f"cross_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+]
+CROSS_NAMES = [(n, n) for n in CROSS_TENSORS] + [("lm_heads.0.weight", "lm_head.weight")]
+# our arch -> (their hydra_head_arch, tensor names) for the one-layer recurrent heads
+RECURRENT_ARCH = {
+    "hydra_eagle": ("eagle-attn", EAGLE_NAMES),
+    "hydra_cross_attn": ("cross-attn", CROSS_NAMES),
+}
 
 
 def files(heads: HeadSet, base_id: str) -> dict[str, Any]:
@@ -104,17 +118,18 @@ def files(heads: HeadSet, base_id: str) -> dict[str, Any]:
             "be exported as format=hydra: zankner/Hydra's hydra_lm_head layers score the full "
             "vocab. Export format=hf, or train with head.draft_vocab_size=null"
         )
-    if heads.arch == "hydra_eagle":
+    if heads.arch in RECURRENT_ARCH:
+        arch, names = RECURRENT_ARCH[heads.arch]
         sd = heads.state_dict()
         config = {
             "hydra_num_heads": 1,
             "hydra_num_layers": 1,
-            "hydra_head_arch": "eagle-attn",
+            "hydra_head_arch": arch,
             "grounded_heads": True,
             "hidden_state_offset": heads.cfg.hidden_state_offset,
             "base_model_name_or_path": base_id,
         }
-        state = {t: sd[o] for o, t in EAGLE_NAMES}
+        state = {t: sd[o] for o, t in names}
         return {"config.json": json.dumps(config, indent=2) + "\n", HYDRA_WEIGHTS: state}
     grounded, prefix = heads.arch != "medusa", heads.arch == "hydra_pp"
     k_heads, n_layers = heads.num_heads, heads.cfg.num_layers
@@ -156,16 +171,16 @@ def read(src: Path) -> Parsed:
     # Defaults are those of zankner/Hydra's HydraConfig, which its loader applies too.
     arch = cfg.get("hydra_head_arch", "mlp")
     grounded = bool(cfg.get("grounded_heads", False))
-    known = arch in ("mlp", "prefix-mlp", "eagle-attn")
-    if not known or (arch in ("prefix-mlp", "eagle-attn") and not grounded):
+    known = arch in ("mlp", "prefix-mlp", "eagle-attn", "cross-attn")
+    if not known or (arch != "mlp" and not grounded):
         what = f"hydra_head_arch = {arch!r}, grounded_heads = {str(grounded).lower()}"
         raise FormatError(
             f"{cfg_path}: {what} cannot be imported: our heads have no counterpart of it; mlp "
-            "(medusa, hydra), grounded prefix-mlp (hydra_pp) and grounded eagle-attn "
-            "(hydra_eagle) map exactly onto ours"
+            "(medusa, hydra), grounded prefix-mlp (hydra_pp), eagle-attn (hydra_eagle) and "
+            "cross-attn (hydra_cross_attn) map exactly onto ours"
         )
-    if arch == "eagle-attn":
-        return _read_eagle(src, cfg, cfg_path)
+    if arch in ("eagle-attn", "cross-attn"):
+        return _read_recurrent(src, cfg, cfg_path, arch)
     prefix = arch == "prefix-mlp"
     k_heads = as_int(cfg, "hydra_num_heads", 4, cfg_path)
     n_layers = as_int(cfg, "hydra_num_layers", 1, cfg_path)
@@ -193,19 +208,20 @@ def read(src: Path) -> Parsed:
     return Parsed(head, hidden, vocab, ours, str(cfg.get("base_model_name_or_path", "?")))
 
 
-def _read_eagle(src: Path, cfg: dict, cfg_path: Path) -> Parsed:
-    """An eagle-attn checkpoint (EagleAttentionDecoderLayer): one head of one layer."""
+def _read_recurrent(src: Path, cfg: dict, cfg_path: Path, arch: str) -> Parsed:
+    """An eagle-attn or cross-attn checkpoint: one head of one layer."""
+    name, names = next((o, n) for o, (a, n) in RECURRENT_ARCH.items() if a == arch)
     for key in ("hydra_num_heads", "hydra_num_layers"):
         if as_int(cfg, key, 1, cfg_path) != 1:
             raise FormatError(
-                f"{cfg_path}: {key} = {cfg[key]} for eagle-attn, whose module asserts 1: "
+                f"{cfg_path}: {key} = {cfg[key]} for {arch}, whose module asserts 1: "
                 "the file is not one zankner/Hydra wrote"
             )
     offset = as_int(cfg, "hidden_state_offset", 0, cfg_path)
     take = Take(src / HYDRA_WEIGHTS)
-    ours = {o: take(t) for o, t in EAGLE_NAMES}
+    ours = {o: take(t) for o, t in names}
     take.done(ignore=IGNORED, ignore_suffix="rotary_emb.inv_freq")
     vocab, hidden = ours["lm_heads.0.weight"].shape
     settings = {"num_heads": 1, "num_layers": 1, "hidden_state_offset": offset}
-    head = head_config("hydra_eagle", **settings, bias=False, tie_blocks=True, init="official")
+    head = head_config(name, **settings, bias=False, tie_blocks=True, init="official")
     return Parsed(head, hidden, vocab, ours, str(cfg.get("base_model_name_or_path", "?")))

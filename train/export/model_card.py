@@ -15,6 +15,7 @@ ARCH_TITLE = {
     "hydra": "Hydra",
     "hydra_pp": "Hydra++",
     "hydra_eagle": "Hydra eagle-attn",
+    "hydra_cross_attn": "Hydra cross-attn",
 }
 
 
@@ -71,6 +72,8 @@ def model_card(heads: HeadSet, meta: dict, base_id: str, res: dict | None) -> st
         "distilled from the base model (Ankner et al., 2024)",
         "hydra_eagle": "one EAGLE-style decoder layer over the next token's embedding and the "
         "base hidden state, drafting recurrently on its own states (zankner/Hydra eagle-attn)",
+        "hydra_cross_attn": "the next token's embedding attending to the base hidden states, "
+        "drafting recurrently with its ancestors' outputs as keys (zankner/Hydra cross-attn)",
     }[heads.arch]
     front = ["---", "library_name: hydra-heads"]
     if re.fullmatch(r"[\w.-]+/[\w.-]+", base_id):  # only a hub id is a valid `base_model`

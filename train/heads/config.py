@@ -8,6 +8,9 @@ from pydantic import model_validator
 
 from train.core.config import ConfigModel, NonNegative, Positive, check, fail
 
+# Head sets of one layer that draft recurrently (their classes say `recurrent = True`).
+RECURRENT = ("hydra_eagle", "hydra_cross_attn")
+
 # The distillation divergences of train/losses.py, the one list of their names.
 KINDS = ("kl", "reverse_kl", "jsd", "tv", "lk")
 
@@ -58,7 +61,7 @@ class LossConfig(ConfigModel):
 class HeadConfig(ConfigModel):
     """Architecture of a draft head set."""
 
-    name: Literal["medusa", "hydra", "hydra_pp", "hydra_eagle"]
+    name: Literal["medusa", "hydra", "hydra_pp", "hydra_eagle", "hydra_cross_attn"]
     num_heads: Annotated[int, check(lambda v: 1 <= v <= 16, "an integer in [1, 16]")]
     num_layers: Positive  # residual MLP blocks per head, each with its own weights
     hidden_state_offset: NonNegative  # 0: last (post-norm) state; n: n-th layer from the last
@@ -79,11 +82,11 @@ class HeadConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _one_recurrent_layer(self) -> HeadConfig:
-        if self.name == "hydra_eagle":  # zankner/Hydra's eagle-attn: one layer, no dropout
-            why = "hydra_eagle is one decoder layer drafting recurrently (tree depth: the tree's)"
+        if self.name in RECURRENT:  # zankner/Hydra's eagle-attn, cross-attn: one layer
+            why = f"{self.name} is one layer drafting recurrently (tree depth: the tree's)"
             for key, want in (("num_heads", 1), ("num_layers", 1), ("dropout", 0.0)):
                 if getattr(self, key) != want:
                     fail(key, getattr(self, key), f"{want} ({why})")
             if self.bias:
-                fail("bias", True, "false (hydra_eagle scores with the base's own lm_head)")
+                fail("bias", True, f"false ({self.name} scores with the base's own lm_head)")
         return self

@@ -107,8 +107,10 @@ class HeadSet(nn.Module):
         heads."""
         return hidden
 
-    def step(self, emb, parent, cache, positions, mask) -> torch.Tensor:
-        """A recurrent head set's drafting step (see EagleAttnHeads.step)."""
+    def step(self, emb, parent, cache, positions, mask, anchor=None) -> torch.Tensor:
+        """A recurrent head set's drafting step: nodes' token embeddings emb (B, P, H) and
+        their parents' output states (B, P, H), queried at `positions` (B, P) under `mask`;
+        each appends one key to `cache` (EagleAttnHeads, CrossAttnHeads)."""
         raise NotImplementedError(f"{self.arch} heads draft with one head per depth")
 
     def head_input(self, k: int, ctx: torch.Tensor, path: torch.Tensor | None) -> torch.Tensor:

@@ -137,11 +137,13 @@ class EagleAttnHeads(HeadSet):
         cache,
         positions: torch.Tensor,
         mask: torch.Tensor | None,
+        anchor: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One drafting step: nodes with token embeddings emb (B, P, H) whose parents' output
         states are `parent` (B, P, H), at `positions` (B, P), attending to `cache` under
         `mask` (B, 1, P, cached + P). Returns their output states (B, P, H); their keys and
-        values are appended to the cache (the caller drops them after the proposal)."""
+        values are appended to the cache (the caller drops them after the proposal). `anchor`
+        (the last accepted position) is not used: each node's key sits at its own position."""
         x = self.fc(torch.cat([emb.to(parent.dtype), parent], dim=-1))
         return self._layer(x, positions, cache, mask)
 

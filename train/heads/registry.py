@@ -10,6 +10,7 @@ import torch
 from train.heads.config import HeadConfig
 from train.heads.headset import HeadSet
 from train.heads.hydra import HydraHeads
+from train.heads.hydra_cross_attn import CrossAttnHeads
 from train.heads.hydra_eagle import EagleAttnHeads
 from train.heads.hydra_pp import HydraPPHeads
 from train.heads.medusa import MedusaHeads
@@ -19,6 +20,7 @@ HEADS: dict[str, type[HeadSet]] = {
     "hydra": HydraHeads,
     "hydra_pp": HydraPPHeads,
     "hydra_eagle": EagleAttnHeads,
+    "hydra_cross_attn": CrossAttnHeads,
 }
 
 # Base-config fields that shape the heads (Hydra++'s extra layer copies the attention shape).

@@ -1,0 +1,171 @@
+"""Hydra's cross-attn draft head: the next token's embedding attends to the base's hidden
+states, drafting recurrently with its ancestors' output states as extra keys.
+
+As in zankner/Hydra (`hydra_head_arch=cross-attn`, `HydraCrossAttentionDecoderLayer`): at
+position t the query is the embedding of x_{t+1}, at RoPE position t; the keys and values are
+the base's hidden states h_0..h_t, each at its own position; one RMSNorm (`input_layernorm`)
+normalises both. Then a Llama block: `out = e(x_{t+1}) + o_proj(attention)`, `out += mlp(
+post_attention_layernorm(out))`, scored by the base's own lm_head (frozen, no norm before it):
+the output at t predicts x_{t+2}. The same training noise goes on the embeddings and the
+hidden states; the head has no dropout; one head is trained (num_heads=1).
+
+Drafting is recurrent: the root's children come from the output at the last accepted position
+T; a node at depth d >= 1 is a query (its token's embedding, at position T + d) over the
+accepted prefix's keys (the layer's KV cache) and its ancestors' output states, projected like
+hidden states and placed at position T (the official "virtual" keys). Each drafting step
+appends one such key per node, its parent's output, so that a node sees exactly the keys of
+its ancestors and itself (train/decoding/recurrent.py).
+
+State-dict names mirror the official module: `cross_attn.{q,k,v,o}_proj`, `mlp.*`,
+`input_layernorm`, `post_attention_layernorm`; the lm head is `lm_heads.0` (the base's rows,
+frozen); the base embedding table is not part of the heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from train.heads.config import HeadConfig
+from train.heads.headset import HeadSet
+from train.heads.hydra_pp import prefix_config
+
+
+class CrossAttention(nn.Module):
+    """Llama attention whose queries and keys come from different inputs (no biases)."""
+
+    def __init__(self, config):
+        super().__init__()
+        H, hd = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            hd,
+        )
+        self.q_proj = nn.Linear(H, self.heads * hd, bias=False)
+        self.k_proj = nn.Linear(H, self.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(H, self.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.heads * hd, H, bias=False)
+
+    def _split(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, n, self.head_dim).transpose(1, 2)  # (B, n, T, hd)
+
+    def forward(self, q_in, kv_in, q_rope, kv_rope, cache, mask) -> torch.Tensor:
+        """q_in (B, Tq, H) normalised queries; kv_in (B, Tk, H) normalised key/value inputs,
+        appended to `cache` (their rotated keys) when given; mask: additive (B, 1, Tq, all
+        keys), or None for causal attention whose last query sees every key."""
+        q = self._split(self.q_proj(q_in), self.heads)
+        q = apply_rotary_pos_emb(q, q, *q_rope)[0]  # queries and keys at their own positions
+        k = self._split(self.k_proj(kv_in), self.kv_heads)
+        k = apply_rotary_pos_emb(k, k, *kv_rope)[0]
+        v = self._split(self.v_proj(kv_in), self.kv_heads)
+        if cache is not None:
+            k, v = cache.layers[0].update(k, v)
+        Tq, S = q.shape[2], k.shape[2]
+        if mask is None and Tq > 1:  # query i sees the keys up to S - Tq + i
+            causal = torch.ones(Tq, S, dtype=torch.bool, device=q.device).tril(S - Tq)
+            mask = causal[None, None]
+        if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
+        )
+        B = out.shape[0]
+        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, -1))
+
+
+class CrossAttnHeads(HeadSet):
+    """One cross-attention draft layer over the base hidden states (Hydra's cross-attn)."""
+
+    arch = "hydra_cross_attn"
+    uses_path = True  # the query is the next token's embedding
+    recurrent = True
+    noise_on_hidden = True  # zankner/Hydra: the same noise on the embeddings and h
+    noise_on_path = True
+
+    def __init__(
+        self,
+        cfg: HeadConfig,
+        hidden_size: int,
+        vocab_size: int,
+        lm_head_weight: torch.Tensor,
+        draft_ids: torch.Tensor | None = None,
+        base_shape: dict | None = None,
+    ):
+        if cfg.num_heads != 1 or cfg.num_layers != 1 or cfg.dropout or cfg.bias:
+            raise ValueError(
+                f"head={cfg.name} is one cross-attention layer with no dropout, scored by the "
+                "base's own lm_head (zankner/Hydra's cross-attn): set head.num_heads=1, "
+                "head.num_layers=1, head.dropout=0 and head.bias=false"
+            )
+        super().__init__(cfg, hidden_size, vocab_size, lm_head_weight, draft_ids, base_shape)
+        self.mlps = nn.ModuleList()  # no residual blocks: the layer is the head
+        lm = self.lm_heads[0]
+        lm.weight.requires_grad_(False)  # the base's own lm_head, frozen
+        shape = {**self.base_shape, "hidden_size": hidden_size, "vocab_size": vocab_size}
+        config = prefix_config(shape)
+        self.cross_attn = CrossAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        for module in (self.cross_attn, self.mlp):  # LlamaPreTrainedModel's initialisation
+            for lin in module.modules():
+                if isinstance(lin, nn.Linear):
+                    nn.init.normal_(lin.weight, std=config.initializer_range)
+        if cfg.init == "ours":  # attention and MLP outputs at zero: the layer starts as e(x_{t+1})
+            nn.init.zeros_(self.cross_attn.o_proj.weight)
+            nn.init.zeros_(self.mlp.down_proj.weight)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T = x.shape[:2]
+        pos = positions if positions.dim() == 2 else positions[None].expand(B, T)
+        return self.rotary_emb(x, pos)
+
+    def _block(self, query_emb, kv_hidden, q_pos, kv_pos, cache, mask) -> torch.Tensor:
+        q_in = self.input_layernorm(query_emb)
+        kv_in = self.input_layernorm(kv_hidden)  # one norm for both, as theirs
+        attn = self.cross_attn(
+            q_in, kv_in, self._rope(q_in, q_pos), self._rope(kv_in, kv_pos), cache, mask
+        )
+        out = query_emb + attn  # the residual is the raw embedding
+        return out + self.mlp(self.post_attention_layernorm(out))
+
+    def context(
+        self,
+        hidden: torch.Tensor,
+        cache=None,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        next_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(B, T, H) base hidden states (keys, appended to `cache`) and the embeddings of the
+        tokens after them (B, T, H, the queries) -> the output at each position."""
+        if next_emb is None:
+            raise ValueError("cross-attn heads query with the next token's embedding (next_emb)")
+        T = hidden.shape[1]
+        if positions is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            positions = torch.arange(past, past + T, device=hidden.device)
+        return self._block(next_emb.to(hidden.dtype), hidden, positions, positions, cache, mask)
+
+    def step(self, emb, parent, cache, positions, mask, anchor=None) -> torch.Tensor:
+        """One drafting step: queries emb (B, P, H) at `positions` (B, P); one key per node,
+        its parent's output state `parent` (B, P, H), appended to `cache` at position
+        `anchor` (B, P: the last accepted position); `mask` (B, 1, P, cached + P)."""
+        if anchor is None:
+            raise ValueError("cross-attn drafting places its ancestor keys at `anchor`")
+        return self._block(emb.to(parent.dtype), parent, positions, anchor, cache, mask)
+
+    def head_input(self, k: int, ctx: torch.Tensor, path: torch.Tensor | None) -> torch.Tensor:
+        if k != 0:
+            raise ValueError("cross-attn heads draft deeper recurrently, not with head k > 0")
+        return ctx
