@@ -486,7 +486,7 @@ def test_import_refuses_what_our_heads_cannot_hold(tmp_path, tiny_base):
     # a cross-attn config over an mlp checkpoint: its sizes, then its tensors, are not theirs
     bad = {**cfg, "hydra_head_arch": "cross-attn"}
     (tmp_path / "x" / "config.json").write_text(json.dumps(bad))
-    with pytest.raises(FormatError, match="hydra_num_heads = 3 for cross-attn, whose module asserts 1"):
+    with pytest.raises(FormatError, match="hydra_num_heads = 3 for cross-attn, whose module"):
         import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
     bad.update(hydra_num_heads=1, hydra_num_layers=1)
     (tmp_path / "x" / "config.json").write_text(json.dumps(bad))
