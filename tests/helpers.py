@@ -304,3 +304,58 @@ def propose_chain(heads, ctx: torch.Tensor, first_token: torch.Tensor, embed) ->
         out.append(nxt)
         path = torch.cat([path, nxt[:, None]], dim=1)
     return torch.stack(out, dim=1)
+
+
+def random_one_layer_heads(tiny_base, name: str, seed: int = 0, **head):
+    """A recurrent head set (eagle-attn, cross-attn) for tiny_base with random trainable
+    weights (a near-identity fresh layer would hide wiring bugs); its lm head the base's."""
+    from train.heads import base_shape, build_heads
+
+    torch.manual_seed(seed)
+    cfg = head_config(name, **head)
+    heads = build_heads(cfg, base_shape(tiny_base.config), tiny_base.lm_head.weight)
+    with torch.no_grad():
+        for p in heads.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.2) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.1)
+    return heads.eval()
+
+
+def official_round_trip(tmp_path: Path, tiny_base, heads, official, arch: str) -> None:
+    """A recurrent head set exported as format=hydra and loaded into `official`, a stand-in
+    of zankner/Hydra's module (`load(state)`, `training_logits(ids, hidden)`,
+    `chain_logits(ids, hidden, drafts)`, ids (T,), hidden (T, H)): the same logits in training
+    (but the last position, which their roll wraps) and along a drafted chain of 4 (ours by
+    calibration's unroll); imported back, the same heads, name for name."""
+    import json
+
+    from train.decoding.recurrent import unroll
+    from train.export import export_heads, import_heads
+    from train.heads import heads_meta, load_heads, save_heads
+
+    tiny = base_config("tiny_random", name="tiny_random")
+    meta = heads_meta(heads, tiny_base.fingerprint(), tiny.to_dict())
+    hdir = save_heads(tmp_path / "run" / "heads", heads, meta)
+    export_heads(hdir, "hydra", tmp_path / "x")
+    cfg = json.loads((tmp_path / "x" / "config.json").read_text())
+    assert cfg["hydra_head_arch"] == arch and cfg["grounded_heads"] is True
+    assert cfg["hydra_num_heads"] == cfg["hydra_num_layers"] == 1
+    official.load(torch.load(tmp_path / "x" / "hydra_lm_head.pt", weights_only=True))
+    torch.manual_seed(5)
+    ids = torch.randint(0, tiny_base.vocab_size, (10,))
+    hidden = torch.randn(10, heads.hidden_size)
+    embed = tiny_base.embed_tokens
+    with torch.no_grad():
+        ours = heads.logits(0, heads(hidden[None], embed(ids)[None])[0])[0]
+        assert torch.allclose(ours[:-1], official.training_logits(ids, hidden)[:-1], atol=1e-4)
+        drafts = [int(x) for x in torch.randint(0, tiny_base.vocab_size, (4,))]
+        path = torch.cat([ids, torch.tensor(drafts)])
+        pad = torch.zeros(4, heads.hidden_size)
+        chain = unroll(heads, torch.cat([hidden, pad]), path, embed, 4)
+        got = torch.stack([heads.logits(0, chain[d][0, 9]) for d in range(4)])
+        assert torch.allclose(got, official.chain_logits(ids, hidden, drafts), atol=1e-4)
+    import_heads(tmp_path / "x", "hydra", tiny, tmp_path / "back")
+    back, _ = load_heads(tmp_path / "back", tiny_base.fingerprint())
+    assert back.arch == heads.arch
+    for (n, a), (m, b) in zip(heads.state_dict().items(), back.state_dict().items(), strict=True):
+        assert n == m and torch.equal(a, b), n

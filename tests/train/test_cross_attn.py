@@ -1,60 +1,23 @@
-"""Hydra's cross-attn head (head=hydra_cross_attn): recurrent drafting against the unrolled
-chain, and exact agreement with a stand-in written to zankner/Hydra's
-HydraCrossAttentionDecoderLayer (its state-dict names, its attention computed by hand), in
-training and along a drafted chain with its "virtual" ancestor keys, through format=hydra."""
+"""Hydra's cross-attn head (head=hydra_cross_attn): exact agreement with a stand-in written
+to zankner/Hydra's HydraCrossAttentionDecoderLayer (its state-dict names, its attention
+computed by hand), in training and along a drafted chain with its "virtual" ancestor keys,
+through format=hydra."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, rotate_half
 
-from tests.helpers import base_config, head_config
-from train.decoding.cache import KVCache
-from train.decoding.recurrent import DraftMemory, recurrent_step, unroll
-from train.export import export_heads, import_heads
-from train.heads import base_shape, build_heads, heads_meta, load_heads, save_heads
-from train.heads.hydra_pp import prefix_config
-
-TINY = base_config("tiny_random", name="tiny_random")
+from tests.helpers import official_round_trip, random_one_layer_heads
+from train.heads import base_shape
+from train.heads.blocks import layer_config
 
 
 def make(tiny_base, seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = head_config("hydra_cross_attn")
-    heads = build_heads(cfg, base_shape(tiny_base.config), tiny_base.lm_head.weight)
-    with torch.no_grad():  # random weights: a near-identity layer would hide wiring bugs
-        for p in heads.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.2) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.1)
-    return heads.eval()
-
-
-def test_drafting_on_a_path_equals_the_unrolled_chain(tiny_base):
-    """Decoding's drafting along a path (a decoy sibling beside each node) is calibration's
-    unroll at that position, at every depth."""
-    heads = make(tiny_base)
-    embed = tiny_base.embed_tokens
-    T, t = 14, 8
-    torch.manual_seed(3)
-    ids = torch.randint(0, tiny_base.vocab_size, (T,))
-    hidden = torch.randn(T, 64)
-    chain = unroll(heads, hidden, ids, embed, 4)
-    cache = KVCache(1, 64)
-    ctx = heads.context(hidden[None, : t + 1], cache=cache, next_emb=embed(ids[None, 1 : t + 2]))
-    assert torch.allclose(ctx[0, t], chain[0][0, t], atol=1e-5)
-    mem = DraftMemory(cache, torch.tensor([t + 1]), t + 1, torch.float32)
-    state = ctx[:, t][:, None]
-    for d in range(1, 4):
-        toks = torch.stack([ids[t + d + 1], (ids[t + d + 1] + 5) % tiny_base.vocab_size])[None]
-        anc = torch.tensor([True, False] * (d - 1), dtype=torch.bool).expand(1, 2, -1)
-        out = recurrent_step(heads, embed, mem, toks, state.expand(1, 2, -1), d, anc)
-        assert torch.allclose(out[0, 0], chain[d][0, t], atol=1e-5), d
-        assert not torch.allclose(out[0, 1], chain[d][0, t], atol=1e-3)
-        state = out[:, :1]
+    return random_one_layer_heads(tiny_base, "hydra_cross_attn", seed)
 
 
 class OfficialCrossAttn(nn.Module):
@@ -134,32 +97,7 @@ class OfficialCrossAttn(nn.Module):
 
 
 def test_format_hydra_round_trip_matches_the_official_module(tmp_path, tiny_base):
-    heads = make(tiny_base, seed=1)
-    meta = heads_meta(heads, tiny_base.fingerprint(), TINY.to_dict())
-    hdir = save_heads(tmp_path / "run" / "heads", heads, meta)
-    export_heads(hdir, "hydra", tmp_path / "x")
-    cfg = json.loads((tmp_path / "x" / "config.json").read_text())
-    assert cfg["hydra_head_arch"] == "cross-attn" and cfg["grounded_heads"] is True
-    state = torch.load(tmp_path / "x" / "hydra_lm_head.pt", weights_only=True)
-    config = prefix_config(base_shape(tiny_base.config))
-    off = OfficialCrossAttn(config, tiny_base.embed_tokens, nn.Linear(64, tiny_base.vocab_size))
-    off.lm_head = nn.Linear(64, tiny_base.vocab_size, bias=False)
-    off.load(state)
-    torch.manual_seed(5)
-    ids = torch.randint(0, tiny_base.vocab_size, (10,))
-    hidden = torch.randn(10, 64)
-    embed = tiny_base.embed_tokens
-    with torch.no_grad():
-        ours = heads.logits(0, heads(hidden[None], embed(ids)[None])[0])[0]
-        want = off.training_logits(ids, hidden)
-        assert torch.allclose(ours[:-1], want[:-1], atol=1e-4)  # the last wraps in theirs
-        drafts = [int(x) for x in torch.randint(0, tiny_base.vocab_size, (4,))]
-        path = torch.cat([ids, torch.tensor(drafts)])
-        chain = unroll(heads, torch.cat([hidden, torch.zeros(4, 64)]), path, embed, 4)
-        got = torch.stack([heads.logits(0, chain[d][0, 9]) for d in range(4)])
-        assert torch.allclose(got, off.chain_logits(ids, hidden, drafts), atol=1e-4)
-    import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
-    back, _ = load_heads(tmp_path / "back", tiny_base.fingerprint())
-    assert back.arch == "hydra_cross_attn"
-    for (n, a), (m, b) in zip(heads.state_dict().items(), back.state_dict().items(), strict=True):
-        assert n == m and torch.equal(a, b), n
+    config = layer_config(base_shape(tiny_base.config))
+    lm = nn.Linear(64, tiny_base.vocab_size, bias=False)
+    official = OfficialCrossAttn(config, tiny_base.embed_tokens, lm)
+    official_round_trip(tmp_path, tiny_base, make(tiny_base, seed=1), official, "cross-attn")

@@ -1,6 +1,7 @@
-"""Hydra's eagle-attn head (head=hydra_eagle): its config, recurrent drafting against the
-unrolled teacher-forced chain, and exact agreement with a stand-in built to zankner/Hydra's
-EagleAttentionDecoderLayer (its structure and state-dict names), through format=hydra."""
+"""Hydra's eagle-attn head (head=hydra_eagle): its config, recurrent drafting (and
+cross-attn's) against the unrolled teacher-forced chain, and exact agreement with a stand-in
+built to zankner/Hydra's EagleAttentionDecoderLayer (its structure and state-dict names),
+through format=hydra."""
 
 from __future__ import annotations
 
@@ -11,26 +12,16 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from tests.helpers import base_config, head_config
+from tests.helpers import head_config, official_round_trip, random_one_layer_heads
 from train.core.errors import ConfigError
 from train.decoding.cache import KVCache
 from train.decoding.recurrent import DraftMemory, recurrent_step, unroll
-from train.export import export_heads, import_heads
-from train.heads import base_shape, build_heads, heads_meta, load_heads, save_heads
-from train.heads.hydra_pp import prefix_config
-
-TINY = base_config("tiny_random", name="tiny_random")
+from train.heads import base_shape
+from train.heads.blocks import layer_config
 
 
-def make(tiny_base, seed: int = 0, **head):
-    torch.manual_seed(seed)
-    cfg = head_config("hydra_eagle", **head)
-    heads = build_heads(cfg, base_shape(tiny_base.config), tiny_base.lm_head.weight)
-    with torch.no_grad():  # random weights: a near-identity layer would hide wiring bugs
-        for p in heads.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.2) if p.ndim > 1 else p.add_(torch.randn_like(p) * 0.1)
-    return heads.eval()
+def make(tiny_base, seed: int = 0, name: str = "hydra_eagle", **head):
+    return random_one_layer_heads(tiny_base, name, seed, **head)
 
 
 def test_config_names_what_eagle_attn_allows():
@@ -51,11 +42,12 @@ def test_only_the_layer_trains_and_the_lm_head_is_the_base_s(tiny_base):
     }
 
 
-def test_drafting_on_a_path_equals_the_unrolled_chain(tiny_base):
+@pytest.mark.parametrize("name", ["hydra_eagle", "hydra_cross_attn"])
+def test_drafting_on_a_path_equals_the_unrolled_chain(tiny_base, name):
     """What decoding drafts along a path (context over the prefix, then one step per depth
     attending to the prefix and the node's ancestors) is what calibration's unroll computes at
     that position, at every depth; and a sibling drafted beside the path changes nothing."""
-    heads = make(tiny_base)
+    heads = make(tiny_base, name=name)
     embed = tiny_base.embed_tokens
     T, t = 14, 8
     torch.manual_seed(3)
@@ -94,6 +86,10 @@ class OfficialEagle(nn.Module):
         self.fc = nn.Linear(2 * H, H, bias=True)
         self.rope = LlamaRotaryEmbedding(config)
 
+    def load(self, state: dict) -> None:
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        assert unexpected == [] and set(missing) == {"input_embed_fn.weight"}
+
     def _attn(self, x, pos, mask):
         cos_sin = self.rope(x, pos[None])
         return self.attn(
@@ -101,21 +97,20 @@ class OfficialEagle(nn.Module):
         )
 
     def training_logits(self, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        T = ids.shape[1]
-        emb = self.input_embed_fn(torch.roll(ids, -1, dims=1))
-        x = self.fc(torch.cat([emb, hidden], dim=-1))
+        T = ids.shape[0]
+        emb = self.input_embed_fn(torch.roll(ids, -1))
+        x = self.fc(torch.cat([emb, hidden], dim=-1))[None]
         causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
-        return self.lm_head(self._attn(x, torch.arange(T), causal))
+        return self.lm_head(self._attn(x, torch.arange(T), causal))[0]
 
     def chain_logits(self, ids: torch.Tensor, hidden: torch.Tensor, drafts: list[int]):
-        """Logits drafting the chain after prefix ids (1, T) whose last token's successor is
+        """Logits drafting the chain after prefix ids (T,) whose last token's successor is
         drafts[0] (the root), each later draft fed back with the previous output state."""
-        T = ids.shape[1]
-        feats = [self.fc(torch.cat([self.input_embed_fn(torch.cat(
-            [ids[:, 1:], torch.tensor([[drafts[0]]])], 1)), hidden], -1))]  # fmt: skip
-        outs = self._attn(
-            feats[0], torch.arange(T), torch.full((T, T), float("-inf")).triu(1)[None, None]
-        )
+        T = ids.shape[0]
+        nxt = torch.cat([ids[1:], torch.tensor([drafts[0]])])
+        feats = [self.fc(torch.cat([self.input_embed_fn(nxt), hidden], -1))[None]]
+        causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        outs = self._attn(feats[0], torch.arange(T), causal)
         logits, state = [self.lm_head(outs[:, -1])], outs[:, -1:]
         for d, tok in enumerate(drafts[1:], start=1):
             x = self.fc(torch.cat([self.input_embed_fn(torch.tensor([[tok]])), state], -1))
@@ -133,36 +128,10 @@ def test_format_hydra_round_trip_matches_the_official_module(tmp_path, tiny_base
     """Exported as format=hydra, the heads load into the official structure (names and
     shapes, strict but for the base's embedding table) and give its logits in training and
     along a drafted chain; imported back, they are the same heads."""
-    heads = make(tiny_base, seed=1)
-    meta = heads_meta(heads, tiny_base.fingerprint(), TINY.to_dict())
-    hdir = save_heads(tmp_path / "run" / "heads", heads, meta)
-    export_heads(hdir, "hydra", tmp_path / "x")
-    cfg = json.loads((tmp_path / "x" / "config.json").read_text())
-    assert cfg["hydra_head_arch"] == "eagle-attn" and cfg["hydra_num_heads"] == 1
-    assert cfg["grounded_heads"] is True
-    state = torch.load(tmp_path / "x" / "hydra_lm_head.pt", weights_only=True)
-    config = prefix_config(base_shape(tiny_base.config))
-    off = OfficialEagle(config, tiny_base.embed_tokens, nn.Linear(64, tiny_base.vocab_size, False))
-    missing, unexpected = off.load_state_dict(state, strict=False)
-    assert unexpected == [] and set(missing) == {"input_embed_fn.weight"}
-    torch.manual_seed(5)
-    ids = torch.randint(0, tiny_base.vocab_size, (1, 10))
-    hidden = torch.randn(1, 10, 64)
-    embed = tiny_base.embed_tokens
-    with torch.no_grad():
-        ours = heads.logits(0, heads(hidden, embed(ids))[0])
-        want = off.training_logits(ids, hidden)
-        assert torch.allclose(ours[0, :-1], want[0, :-1], atol=1e-4)  # the last wraps in theirs
-        drafts = [int(x) for x in torch.randint(0, tiny_base.vocab_size, (4,))]
-        path = torch.cat([ids[0], torch.tensor(drafts)])
-        chain = unroll(heads, torch.cat([hidden[0], torch.zeros(4, 64)]), path, embed, 4)
-        got = torch.stack([heads.logits(0, chain[d][0, 9]) for d in range(4)])
-        assert torch.allclose(got, off.chain_logits(ids, hidden, drafts), atol=1e-4)
-    import_heads(tmp_path / "x", "hydra", TINY, tmp_path / "back")
-    back, _ = load_heads(tmp_path / "back", tiny_base.fingerprint())
-    assert back.arch == "hydra_eagle"
-    for (n, a), (m, b) in zip(heads.state_dict().items(), back.state_dict().items(), strict=True):
-        assert n == m and torch.equal(a, b), n
+    config = layer_config(base_shape(tiny_base.config))
+    lm = nn.Linear(64, tiny_base.vocab_size, bias=False)
+    official = OfficialEagle(config, tiny_base.embed_tokens, lm)
+    official_round_trip(tmp_path, tiny_base, make(tiny_base, seed=1), official, "eagle-attn")
 
 
 @pytest.mark.parametrize(("name", "arch"), [("hydra_eagle", "eagle-attn"),

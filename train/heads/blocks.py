@@ -1,9 +1,11 @@
-"""Building blocks shared by the head architectures: residual MLP blocks, draft vocab, noise."""
+"""Building blocks shared by the head architectures: residual MLP blocks, draft vocab, noise,
+the config of the heads' own decoder layers."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers import LlamaConfig
 
 
 class ResBlock(nn.Module):
@@ -88,3 +90,53 @@ def top_tokens(counts: torch.Tensor, n: int) -> torch.Tensor:
     """The n most frequent token ids (ties broken by the smaller id), sorted by id."""
     order = torch.argsort(-counts, stable=True)  # stable: equal counts keep id order
     return torch.sort(order[:n]).values
+
+
+def layer_config(shape: dict) -> LlamaConfig:
+    """A one-layer Llama config with the base's attention shape, for the heads' own decoder
+    layers (Hydra++'s extra layer, eagle-attn's and cross-attn's), as zankner/Hydra deep-copies
+    the base config and sets num_hidden_layers=1."""
+    H = int(shape["hidden_size"])
+    heads = int(shape.get("num_attention_heads") or max(1, H // 64))
+    config = LlamaConfig(
+        hidden_size=H,
+        num_attention_heads=heads,
+        num_key_value_heads=int(shape.get("num_key_value_heads") or heads),
+        head_dim=int(shape.get("head_dim") or H // heads),
+        intermediate_size=int(shape.get("intermediate_size") or 4 * H),
+        rms_norm_eps=float(shape.get("rms_norm_eps") or 1e-6),
+        # the base's RoPE (its scaling too, e.g. Llama 3's), or only its theta when recorded
+        # by an older hydra-heads
+        rope_parameters=shape.get("rope_parameters")
+        or {"rope_type": "default", "rope_theta": float(shape.get("rope_theta") or 10000.0)},
+        max_position_embeddings=int(shape.get("max_position_embeddings") or 2048),
+        initializer_range=float(shape.get("initializer_range") or 0.02),
+        num_hidden_layers=1,
+        vocab_size=int(shape.get("vocab_size") or 1),
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def run_decoder_layer(layer: nn.Module, rotary: nn.Module, x, positions, cache, mask):
+    """A transformers Llama decoder `layer` over x (B, T, H) at `positions` ((T,), (B, T), or
+    None: after what `cache` holds), appending to `cache` (any transformers Cache, or None).
+    `mask`: an explicit additive (B, 1, T, cached + T) mask (batched decoding, where rows hold
+    different numbers of cached positions), or None: the new queries see every cached position
+    and the new ones up to themselves."""
+    B, T, _ = x.shape
+    past = cache.get_seq_length() if cache is not None else 0
+    if positions is None:
+        positions = torch.arange(past, past + T, device=x.device)
+    pos = positions if positions.dim() == 2 else positions[None].expand(B, -1)
+    if mask is None and past:
+        mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+        mask = mask[None, None].expand(B, 1, T, past + T)
+    return layer(
+        x,
+        attention_mask=mask,
+        position_ids=pos,
+        cache=cache,
+        use_cache=cache is not None,
+        position_embeddings=rotary(x, pos),
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from train.heads.blocks import DraftVocab, mlp_stack, official_noise
+from train.heads.blocks import DraftVocab, layer_config, mlp_stack, official_noise
 from train.heads.config import HeadConfig
 
 
@@ -196,3 +196,37 @@ class HeadSet(nn.Module):
     def logits(self, k: int, state: torch.Tensor) -> torch.Tensor:
         """Head k's logits over its output vocab (draft vocab when one is set)."""
         return self.lm_heads[k](state)
+
+
+class RecurrentHeadSet(HeadSet):
+    """One draft layer that drafts deeper on its own output states (zankner/Hydra's eagle-attn
+    and cross-attn): one head, no residual blocks and no dropout, scored by the base's own
+    lm_head (its rows, frozen, no bias). Subclasses build the layer and define `context` (which
+    also reads the next token's embedding) and `step`."""
+
+    uses_path = True  # the context reads the next token's embedding
+    recurrent = True
+
+    def __init__(self, cfg: HeadConfig, *args, **kwargs):
+        """HeadSet's arguments; then `build` makes the layer from the base's attention shape."""
+        if cfg.num_heads != 1 or cfg.num_layers != 1 or cfg.dropout or cfg.bias:
+            raise ValueError(
+                f"head={cfg.name} is one layer drafting recurrently, with no dropout, scored by "
+                "the base's own lm_head: set head.num_heads=1, head.num_layers=1, "
+                f"head.dropout=0 and head.bias=false (got {cfg.num_heads}, {cfg.num_layers}, "
+                f"{cfg.dropout}, {cfg.bias}); the tree's depth sets how far it drafts"
+            )
+        super().__init__(cfg, *args, **kwargs)
+        self.mlps = nn.ModuleList()  # no residual blocks: the layer is the head
+        self.lm_heads[0].weight.requires_grad_(False)  # the base's own lm_head, frozen
+        shape = {**self.base_shape, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
+        self.build(layer_config(shape))
+
+    def build(self, config) -> None:
+        """Make the draft layer for a one-layer Llama `config` with the base's shape."""
+        raise NotImplementedError
+
+    def head_input(self, k: int, ctx: torch.Tensor, path: torch.Tensor | None) -> torch.Tensor:
+        if k != 0:
+            raise ValueError(f"{self.arch} heads draft deeper recurrently, not with head k > 0")
+        return ctx

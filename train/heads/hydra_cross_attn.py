@@ -33,9 +33,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from train.heads.config import HeadConfig
-from train.heads.headset import HeadSet
-from train.heads.hydra_pp import prefix_config
+from train.heads.headset import RecurrentHeadSet
 
 
 class CrossAttention(nn.Module):
@@ -82,36 +80,15 @@ class CrossAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, Tq, -1))
 
 
-class CrossAttnHeads(HeadSet):
+class CrossAttnHeads(RecurrentHeadSet):
     """One cross-attention draft layer over the base hidden states (Hydra's cross-attn)."""
 
     arch = "hydra_cross_attn"
-    uses_path = True  # the query is the next token's embedding
-    recurrent = True
     noise_on_hidden = True  # zankner/Hydra: the same noise on the embeddings and h
     noise_on_path = True
 
-    def __init__(
-        self,
-        cfg: HeadConfig,
-        hidden_size: int,
-        vocab_size: int,
-        lm_head_weight: torch.Tensor,
-        draft_ids: torch.Tensor | None = None,
-        base_shape: dict | None = None,
-    ):
-        if cfg.num_heads != 1 or cfg.num_layers != 1 or cfg.dropout or cfg.bias:
-            raise ValueError(
-                f"head={cfg.name} is one cross-attention layer with no dropout, scored by the "
-                "base's own lm_head (zankner/Hydra's cross-attn): set head.num_heads=1, "
-                "head.num_layers=1, head.dropout=0 and head.bias=false"
-            )
-        super().__init__(cfg, hidden_size, vocab_size, lm_head_weight, draft_ids, base_shape)
-        self.mlps = nn.ModuleList()  # no residual blocks: the layer is the head
-        lm = self.lm_heads[0]
-        lm.weight.requires_grad_(False)  # the base's own lm_head, frozen
-        shape = {**self.base_shape, "hidden_size": hidden_size, "vocab_size": vocab_size}
-        config = prefix_config(shape)
+    def build(self, config) -> None:
+        hidden_size = config.hidden_size
         self.cross_attn = CrossAttention(config)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(hidden_size, eps=config.rms_norm_eps)
@@ -121,7 +98,7 @@ class CrossAttnHeads(HeadSet):
             for lin in module.modules():
                 if isinstance(lin, nn.Linear):
                     nn.init.normal_(lin.weight, std=config.initializer_range)
-        if cfg.init == "ours":  # attention and MLP outputs at zero: the layer starts as e(x_{t+1})
+        if self.cfg.init == "ours":  # attention and MLP outputs at zero: it starts as e(x_{t+1})
             nn.init.zeros_(self.cross_attn.o_proj.weight)
             nn.init.zeros_(self.mlp.down_proj.weight)
 
@@ -164,8 +141,3 @@ class CrossAttnHeads(HeadSet):
         if anchor is None:
             raise ValueError("cross-attn drafting places its ancestor keys at `anchor`")
         return self._block(emb.to(parent.dtype), parent, positions, anchor, cache, mask)
-
-    def head_input(self, k: int, ctx: torch.Tensor, path: torch.Tensor | None) -> torch.Tensor:
-        if k != 0:
-            raise ValueError("cross-attn heads draft deeper recurrently, not with head k > 0")
-        return ctx

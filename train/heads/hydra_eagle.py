@@ -27,57 +27,26 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from train.heads.config import HeadConfig
-from train.heads.headset import HeadSet
-from train.heads.hydra_pp import prefix_config
+from train.heads.blocks import run_decoder_layer
+from train.heads.headset import RecurrentHeadSet
 
 
-class EagleAttnHeads(HeadSet):
+class EagleAttnHeads(RecurrentHeadSet):
     """One EAGLE-style draft layer over the base hidden states (Hydra's eagle-attn)."""
 
     arch = "hydra_eagle"
-    uses_path = True  # the context reads the next token's embedding
-    recurrent = True
     noise_on_hidden = True
     noise_on_path = False  # zankner/Hydra adds the noise to h_t only
 
-    def __init__(
-        self,
-        cfg: HeadConfig,
-        hidden_size: int,
-        vocab_size: int,
-        lm_head_weight: torch.Tensor,
-        draft_ids: torch.Tensor | None = None,
-        base_shape: dict | None = None,
-    ):
-        if cfg.num_heads != 1 or cfg.num_layers != 1:
-            raise ValueError(
-                f"head={cfg.name} is one decoder layer drafting recurrently (zankner/Hydra's "
-                f"eagle-attn asserts one head and one layer): set head.num_heads=1 and "
-                f"head.num_layers=1 (got {cfg.num_heads} and {cfg.num_layers}); the tree's "
-                "depth sets how far it drafts"
-            )
-        if cfg.dropout or cfg.bias:
-            raise ValueError(
-                f"head={cfg.name} has no dropout and scores with the base's own lm_head, which "
-                f"has no bias: set head.dropout=0 and head.bias=false (got {cfg.dropout} and "
-                f"{cfg.bias})"
-            )
-        super().__init__(cfg, hidden_size, vocab_size, lm_head_weight, draft_ids, base_shape)
-        self.mlps = nn.ModuleList()  # no residual blocks: the decoder layer is the head
-        lm = self.lm_heads[0]
-        lm.weight.requires_grad_(False)  # the base's own lm_head, frozen (theirs is the base's)
-        if lm.bias is not None:
-            lm.bias.requires_grad_(False)
-        shape = {**self.base_shape, "hidden_size": hidden_size, "vocab_size": vocab_size}
-        config = prefix_config(shape)
+    def build(self, config) -> None:
+        hidden_size = config.hidden_size
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=True)
         self.attn = LlamaDecoderLayer(config, layer_idx=0)
         self.rotary_emb = LlamaRotaryEmbedding(config)
         for module in self.attn.modules():  # LlamaPreTrainedModel's initialisation
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=config.initializer_range)
-        if cfg.init == "ours":
+        if self.cfg.init == "ours":
             # fc starts as "pass h_t through" and the layer's attention and MLP outputs at
             # zero, so a fresh head is the base lm_head on h_t (predicting x_{t+1}'s successor
             # from h_t alone, as an untrained Medusa head does)
@@ -98,22 +67,7 @@ class EagleAttnHeads(HeadSet):
         """The decoder layer over fused inputs x (B, T, H) at `positions` ((T,) or (B, T)),
         appending to `cache`; `mask` an additive (B, 1, T, cached + T) mask, or None for causal
         attention over the cache and the new positions."""
-        B, T, _ = x.shape
-        past = cache.get_seq_length() if cache is not None else 0
-        if positions is None:
-            positions = torch.arange(past, past + T, device=x.device)
-        pos = positions if positions.dim() == 2 else positions[None].expand(B, -1)
-        if mask is None and past:
-            causal = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-            mask = causal[None, None].expand(B, 1, T, past + T)
-        return self.attn(
-            x,
-            attention_mask=mask,
-            position_ids=pos,
-            cache=cache,
-            use_cache=cache is not None,
-            position_embeddings=self.rotary_emb(x, pos),
-        )
+        return run_decoder_layer(self.attn, self.rotary_emb, x, positions, cache, mask)
 
     def context(
         self,
@@ -146,8 +100,3 @@ class EagleAttnHeads(HeadSet):
         (the last accepted position) is not used: each node's key sits at its own position."""
         x = self.fc(torch.cat([emb.to(parent.dtype), parent], dim=-1))
         return self._layer(x, positions, cache, mask)
-
-    def head_input(self, k: int, ctx: torch.Tensor, path: torch.Tensor | None) -> torch.Tensor:
-        if k != 0:
-            raise ValueError("eagle-attn heads draft deeper recurrently, not with head k > 0")
-        return ctx

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
@@ -23,38 +22,14 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from train.heads.blocks import layer_config, run_decoder_layer
 from train.heads.hydra import HydraHeads
-
-
-def prefix_config(shape: dict) -> LlamaConfig:
-    """A one-layer Llama config with the base's attention shape (as zankner/Hydra deep-copies
-    the base config and sets num_hidden_layers=1)."""
-    H = int(shape["hidden_size"])
-    heads = int(shape.get("num_attention_heads") or max(1, H // 64))
-    config = LlamaConfig(
-        hidden_size=H,
-        num_attention_heads=heads,
-        num_key_value_heads=int(shape.get("num_key_value_heads") or heads),
-        head_dim=int(shape.get("head_dim") or H // heads),
-        intermediate_size=int(shape.get("intermediate_size") or 4 * H),
-        rms_norm_eps=float(shape.get("rms_norm_eps") or 1e-6),
-        # the base's RoPE (its scaling too, e.g. Llama 3's), or only its theta when recorded
-        # by an older hydra-heads
-        rope_parameters=shape.get("rope_parameters")
-        or {"rope_type": "default", "rope_theta": float(shape.get("rope_theta") or 10000.0)},
-        max_position_embeddings=int(shape.get("max_position_embeddings") or 2048),
-        initializer_range=float(shape.get("initializer_range") or 0.02),
-        num_hidden_layers=1,
-        vocab_size=int(shape.get("vocab_size") or 1),
-    )
-    config._attn_implementation = "sdpa"
-    return config
 
 
 class PrefixLayer(nn.Module):
     """One Llama decoder layer and its final RMSNorm over (B, T, H) hidden states."""
 
-    def __init__(self, config: LlamaConfig, init: str):
+    def __init__(self, config, init: str):
         super().__init__()
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, layer_idx=0)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -77,23 +52,7 @@ class PrefixLayer(nn.Module):
         """x: (B, T, H) new positions; with a cache they follow the cached ones. positions:
         (T,) or per row (B, T). mask: an explicit (B, 1, T, cached + T) additive mask (batched
         decoding, where rows hold different numbers of cached positions)."""
-        B, T, _ = x.shape
-        past = cache.get_seq_length() if cache is not None else 0
-        if positions is None:
-            positions = torch.arange(past, past + T, device=x.device)
-        pos = positions if positions.dim() == 2 else positions[None].expand(B, -1)
-        if mask is None and past:
-            # the new queries see every cached position and the new ones up to themselves
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-            mask = mask[None, None].expand(B, 1, T, past + T)
-        h = self.layers[0](
-            x,
-            attention_mask=mask,
-            position_ids=pos,
-            cache=cache,
-            use_cache=cache is not None,
-            position_embeddings=self.rotary_emb(x, pos),
-        )
+        h = run_decoder_layer(self.layers[0], self.rotary_emb, x, positions, cache, mask)
         return self.norm(h)
 
 
@@ -110,7 +69,7 @@ class HydraPPHeads(HydraHeads):
     ):
         super().__init__(cfg, hidden_size, vocab_size, lm_head_weight, draft_ids, base_shape)
         shape = {**self.base_shape, "hidden_size": hidden_size, "vocab_size": vocab_size}
-        self.prefix = PrefixLayer(prefix_config(shape), cfg.init)
+        self.prefix = PrefixLayer(layer_config(shape), cfg.init)
 
     def context(
         self,
