@@ -129,7 +129,7 @@ def run_decoder_layer(layer: nn.Module, rotary: nn.Module, x, positions, cache, 
     if positions is None:
         positions = torch.arange(past, past + T, device=x.device)
     pos = positions if positions.dim() == 2 else positions[None].expand(B, -1)
-    if mask is None and past:
+    if mask is None and past and T > 1:  # one query sees everything without a mask
         mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
         mask = mask[None, None].expand(B, 1, T, past + T)
     return layer(
