@@ -10,7 +10,7 @@ from pydantic import model_validator
 
 from data_prep.normalize import ROLES
 from train.core.base import BaseConfig
-from train.core.config import ConfigModel, Fraction, Positive, check, fail
+from train.core.config import ConfigModel, Fraction, NonNegative, Positive, check, fail
 from train.core.errors import UserError
 
 _ROLE_LIST = ", ".join(ROLES)
@@ -171,3 +171,20 @@ class PrepConfig(ConfigModel):
     cache_hidden: bool
     cache_batch_size: Positive
     cache_device: str
+    # ...and, for head=eagle3 offline, its fused layers (indices of transformers'
+    # hidden_states, as head.aux_layers; null: none)
+    cache_aux_layers: list[NonNegative] | None
+    # Another prepared dataset whose samples (tokens, masks, splits) are kept as they are: only
+    # the hidden states are cached anew (e.g. adding EAGLE-3's layers without regenerating).
+    from_prepared: str | None
+
+    @model_validator(mode="after")
+    def _caching(self) -> PrepConfig:
+        if self.cache_aux_layers is not None:
+            if not self.cache_hidden:
+                fail("cache_hidden", False, "true: cache_aux_layers caches beside the hidden state")
+            if not self.cache_aux_layers:
+                fail("cache_aux_layers", [], "layer indices, e.g. [2, 15, 27], or null")
+        if self.from_prepared is not None and not self.cache_hidden:
+            fail("cache_hidden", False, "true: from_prepared only caches hidden states anew")
+        return self

@@ -25,6 +25,7 @@ import torch
 from train.core.atomic import staged_dir
 from train.core.base import BaseConfig, load_base
 
+AUX = "aux_hidden"  # the column of EAGLE-3's fused layers (prep cache_aux_layers=[...])
 CHUNK_BATCHES = 16  # batches per saved chunk: the unit of resumption and of sharing out
 WAIT_POLL_S = 0.5
 
@@ -60,7 +61,9 @@ def _chunks(lengths, batch_size: int) -> list[np.ndarray]:
     return [order[i : i + per] for i in range(0, len(order), per)]
 
 
-def _forward(base, ids_list: list, device: str) -> list[np.ndarray]:
+def _forward(base, ids_list: list, device: str, aux_layers: tuple[int, ...] | None):
+    """The base over a batch: each sample's last hidden state (T, H), and with `aux_layers` its
+    hidden states at those indices concatenated (T, n H), fp16."""
     pad = base.tokenizer.pad_token_id or 0
     T = max(len(x) for x in ids_list)
     ids = torch.full((len(ids_list), T), pad, dtype=torch.long)
@@ -69,19 +72,35 @@ def _forward(base, ids_list: list, device: str) -> list[np.ndarray]:
         ids[i, : len(x)] = torch.as_tensor(np.asarray(x))
         attn[i, : len(x)] = 1
     out = base.model.model(
-        input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False
+        input_ids=ids.to(device),
+        attention_mask=attn.to(device),
+        use_cache=False,
+        output_hidden_states=bool(aux_layers),
     )
-    h = out.last_hidden_state.float().cpu().numpy().astype(np.float16)
-    return [h[i, : len(x)] for i, x in enumerate(ids_list)]
+    cols = [out.last_hidden_state]
+    if aux_layers:  # EAGLE-3's fused layers, as train/decoding/backend.head_features reads them
+        cols.append(torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1))
+    arrays = [c.float().cpu().numpy().astype(np.float16) for c in cols]
+    return [tuple(a[i, : len(x)] for a in arrays) for i, x in enumerate(ids_list)]
 
 
-def _save_chunk(path: Path, hidden: list[np.ndarray], H: int) -> None:
-    from datasets import Array2D, Dataset, Features
+def _features(H: int, aux_layers: tuple[int, ...] | None):
+    from datasets import Array2D
 
-    feats = Features({"hidden": Array2D(shape=(None, H), dtype="float16")})
+    feats = {"hidden": Array2D(shape=(None, H), dtype="float16")}
+    if aux_layers:
+        feats[AUX] = Array2D(shape=(None, len(aux_layers) * H), dtype="float16")
+    return feats
+
+
+def _save_chunk(path: Path, rows: list[tuple], H: int, aux_layers) -> None:
+    from datasets import Dataset, Features
+
+    feats = _features(H, aux_layers)
+    cols = {name: [r[j] for r in rows] for j, name in enumerate(feats)}
     # a chunk dir exists only when complete; a bar per chunk would bury the caching bar
     with staged_dir(path) as tmp, _quiet_datasets():
-        Dataset.from_dict({"hidden": hidden}, features=feats).save_to_disk(str(tmp))
+        Dataset.from_dict(cols, features=Features(feats)).save_to_disk(str(tmp))
 
 
 @contextmanager
@@ -99,9 +118,17 @@ def _quiet_datasets() -> Iterator[None]:
 
 @torch.no_grad()
 def cache_hidden_states(
-    dd, base_cfg: BaseConfig, batch_size: int, device: str, work: Path, ranks: Ranks = Ranks()
+    dd,
+    base_cfg: BaseConfig,
+    batch_size: int,
+    device: str,
+    work: Path,
+    ranks: Ranks = Ranks(),
+    aux_layers: tuple[int, ...] | None = None,
 ):
-    """Add a `hidden` column (T, H) fp16: the base's last (post-norm) hidden state per token.
+    """Add a `hidden` column (T, H) fp16: the base's last (post-norm) hidden state per token;
+    with `aux_layers`, an `aux_hidden` column (T, n H) too: the hidden states at those indices of
+    transformers' `hidden_states` (i: the input of layer i), concatenated (head=eagle3).
 
     Training reads it instead of running the base (`data.offline=true`); the teacher logits are
     that state through the frozen lm_head, so they match online training up to fp16 rounding.
@@ -126,16 +153,16 @@ def cache_hidden_states(
         task = bar.add_task(label, total=sum(len(idx) for _, _, idx in todo))
         for split, c, idx in todo:
             ids = dd[split].select(idx)["input_ids"]
-            hidden = []
+            rows = []
             for i in range(0, len(ids), batch_size):
-                hidden += _forward(base, ids[i : i + batch_size], device)
+                rows += _forward(base, ids[i : i + batch_size], device, aux_layers)
                 bar.advance(task, len(ids[i : i + batch_size]))
             (work / split).mkdir(parents=True, exist_ok=True)
-            _save_chunk(work / split / f"chunk-{c:05d}", hidden, H)
+            _save_chunk(work / split / f"chunk-{c:05d}", rows, H, aux_layers)
     if ranks.rank != 0:
         return None
     _wait_for_chunks(work, plan)
-    return _assemble(dd, plan, work, H)
+    return _assemble(dd, plan, work, H, aux_layers)
 
 
 def _wait_for_chunks(work: Path, plan: dict[str, list]) -> None:
@@ -150,20 +177,15 @@ def _wait_for_chunks(work: Path, plan: dict[str, list]) -> None:
         time.sleep(WAIT_POLL_S)
 
 
-def _assemble(dd, plan: dict[str, list], work: Path, H: int):
-    """Every split with its chunks' states as the `hidden` column, in the split's own order."""
-    from datasets import (
-        Array2D,
-        Dataset,
-        DatasetDict,
-        concatenate_datasets,
-        load_from_disk,
-    )
+def _assemble(dd, plan: dict[str, list], work: Path, H: int, aux_layers=None):
+    """Every split with its chunks' states as the `hidden` (and `aux_hidden`) columns, in the
+    split's own order."""
+    from datasets import Dataset, DatasetDict, concatenate_datasets, load_from_disk
 
     out = {}
     for split, ds in dd.items():
         feats = ds.features.copy()
-        feats["hidden"] = Array2D(shape=(None, H), dtype="float16")
+        feats.update(_features(H, aux_layers))
         if len(ds) == 0:
             out[split] = Dataset.from_dict({k: [] for k in feats}, features=feats)
             continue
@@ -178,10 +200,11 @@ def _assemble(dd, plan: dict[str, list], work: Path, H: int):
     return DatasetDict(out)
 
 
-def chunk_dir(partial: Path, dd, base_cfg: BaseConfig, batch_size: int) -> Path:
-    """Where a prep's chunks live: keyed by its samples (each split's tokens), base and batch
-    size, so that a prep of other data or another base never reuses them."""
-    h = hashlib.sha256(json.dumps([base_cfg.name, batch_size, sorted(dd)]).encode())
+def chunk_dir(partial: Path, dd, base_cfg: BaseConfig, batch_size: int, aux_layers=None) -> Path:
+    """Where a prep's chunks live: keyed by its samples (each split's tokens), base, batch size
+    and fused layers, so that a prep of other data or another base never reuses them."""
+    key = [base_cfg.name, batch_size, sorted(dd)] + ([list(aux_layers)] if aux_layers else [])
+    h = hashlib.sha256(json.dumps(key).encode())
     for split in sorted(dd):
         col = dd[split].data.column("input_ids").combine_chunks()
         h.update(np.asarray(col.offsets).tobytes())

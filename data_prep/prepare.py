@@ -550,8 +550,6 @@ def save_shards(dd, build: Path, num_shards: int | None) -> dict[str, int]:
 def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, Any]:
     """Run the whole prep job: cfg.data -> tokenized splits in cfg.out, with prep_stats.json,
     prep_timing.json and `resolved_config` as config.yaml. Returns the stats (+ "timing")."""
-    from datasets import DatasetDict
-
     from data_prep.hidden import Ranks
 
     t_start = time.perf_counter()
@@ -570,54 +568,16 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     partial = out.parent / f"{out.name}.partial"
     if ranks.rank > 0:  # rank 0 reads, regenerates and tokenizes; the others cache their share
         return _cache_share(cfg, partial, ranks)
-    tokenizer = chat_tokenizer(cfg.base)
-    timing["load_tokenizer_s"] = time.perf_counter() - t_start
-    sources = cfg.data.sources
-    skips = SourceSkips(sources=tuple(s.name for s in sources)) if sources else SkipLog()
     partial.mkdir(parents=True, exist_ok=True)
     for stale in partial.glob("spool-*"):  # a killed run's working files
         shutil.rmtree(stale, ignore_errors=True)
     work = partial / f"spool-{os.getpid()}"
-    with _timed(timing, "read_s"):
-        rows, read_info = read_conversations(cfg.data, skips, cfg.seed, work)
-    if not len(rows):
-        raise PrepError(
-            f"no usable conversation in {read_info['input']} (skipped: "
-            f"{dict(skips.counts)}); check data.format / data.turns_field"
-        )
-    if cfg.regenerate:
-        from data_prep.regenerate import regenerate
-        from train.core.base import load_base
-
-        with _timed(timing, "regenerate_s"):
-            if cfg.regen.backend == "openai":  # the server runs the model; the tokenizer here
-                from types import SimpleNamespace
-
-                from train.core.base import load_tokenizer
-
-                base = SimpleNamespace(
-                    cfg=cfg.base, tokenizer=load_tokenizer(cfg.base), config=None
-                )
-            else:
-                from train.decoding.backend import use_weight_layout
-
-                base = load_base(cfg.base, device=_regen_device(cfg.regen.device))
-                use_weight_layout(
-                    base.model, layout=cfg.regen.weight_layout, key="regen.weight_layout"
-                )
-            rows = regenerate(rows.to_list(), base, cfg.regen, partial / "regen", cfg.seed, skips)
-        if not rows:
-            raise PrepError(
-                f"regeneration left no conversation (skipped {dict(skips.counts)}); for empty "
-                "replies try regen.temperature > 0 or a larger regen.max_new_tokens, for long "
-                "prompts a larger regen.max_prompt_tokens or a smaller regen.max_new_tokens"
-            )
-    with _timed(timing, "tokenize_s"):
-        tok, num_proc = tokenize(rows, tokenizer, cfg, work)
-    kept, conv_lengths = kept_samples(tok, skips)
-    if sources:
-        read_info["sources"] = _source_stats(read_info, skips, kept)
-    dd = DatasetDict({split: split_samples(kept, split, cfg, work) for split in SPLITS})
+    if cfg.from_prepared is not None:
+        dd, stats = _prepared_samples(Path(cfg.from_prepared).expanduser(), out)
+        num_proc = None
+    else:
+        dd, make_stats, num_proc = _samples(cfg, timing, t_start, partial, work)
+    aux = tuple(cfg.cache_aux_layers) if cfg.cache_aux_layers else None
     if cfg.cache_hidden:
         from data_prep.hidden import cache_hidden_states, chunk_dir
 
@@ -628,10 +588,12 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
                     with staged_dir(shared, keep_existing=True) as tmp:
                         dd.save_to_disk(str(tmp))
             device = _regen_device(cfg.cache_device)
-            work = chunk_dir(partial, dd, cfg.base, cfg.cache_batch_size)
-            dd = cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device, work, ranks)
+            work = chunk_dir(partial, dd, cfg.base, cfg.cache_batch_size, aux)
+            dd = cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device, work, ranks, aux)
         timing["cache_processes"] = ranks.world
-    stats = _stats(cfg, read_info, skips, kept, dd, conv_lengths, tokenizer)
+    if cfg.from_prepared is None:
+        stats = make_stats(dd)
+    stats.update(cached_hidden=cfg.cache_hidden, cached_aux_layers=cfg.cache_aux_layers)
     build = partial / f"build-{os.getpid()}"
     shutil.rmtree(build, ignore_errors=True)
     with _timed(timing, "save_s"):
@@ -645,6 +607,94 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     shutil.rmtree(partial, ignore_errors=True)
     stats["timing"] = timing
     return stats
+
+
+def _samples(cfg: PrepConfig, timing: dict, t_start: float, partial: Path, work: Path):
+    """Read, (regenerate,) tokenize and split cfg.data: (the DatasetDict, a function of the
+    final DatasetDict giving prep_stats, the tokenizer's processes)."""
+    from datasets import DatasetDict
+
+    tokenizer = chat_tokenizer(cfg.base)
+    timing["load_tokenizer_s"] = time.perf_counter() - t_start
+    sources = cfg.data.sources
+    skips = SourceSkips(sources=tuple(s.name for s in sources)) if sources else SkipLog()
+    with _timed(timing, "read_s"):
+        rows, read_info = read_conversations(cfg.data, skips, cfg.seed, work)
+    if not len(rows):
+        raise PrepError(
+            f"no usable conversation in {read_info['input']} (skipped: "
+            f"{dict(skips.counts)}); check data.format / data.turns_field"
+        )
+    if cfg.regenerate:
+        with _timed(timing, "regenerate_s"):
+            rows = _regenerated(cfg, rows, partial, skips)
+    with _timed(timing, "tokenize_s"):
+        tok, num_proc = tokenize(rows, tokenizer, cfg, work)
+    kept, conv_lengths = kept_samples(tok, skips)
+    if sources:
+        read_info["sources"] = _source_stats(read_info, skips, kept)
+    dd = DatasetDict({split: split_samples(kept, split, cfg, work) for split in SPLITS})
+
+    def make_stats(final) -> dict:
+        return _stats(cfg, read_info, skips, kept, final, conv_lengths, tokenizer)
+
+    return dd, make_stats, num_proc
+
+
+def _regenerated(cfg: PrepConfig, rows, partial: Path, skips) -> list:
+    """The conversations with their assistant turns answered by the base (cfg.regen)."""
+    from data_prep.regenerate import regenerate
+    from train.core.base import load_base
+
+    if cfg.regen.backend == "openai":  # the server runs the model; the tokenizer here
+        from types import SimpleNamespace
+
+        from train.core.base import load_tokenizer
+
+        base = SimpleNamespace(cfg=cfg.base, tokenizer=load_tokenizer(cfg.base), config=None)
+    else:
+        from train.decoding.backend import use_weight_layout
+
+        base = load_base(cfg.base, device=_regen_device(cfg.regen.device))
+        use_weight_layout(base.model, layout=cfg.regen.weight_layout, key="regen.weight_layout")
+    rows = regenerate(rows.to_list(), base, cfg.regen, partial / "regen", cfg.seed, skips)
+    if not rows:
+        raise PrepError(
+            f"regeneration left no conversation (skipped {dict(skips.counts)}); for empty "
+            "replies try regen.temperature > 0 or a larger regen.max_new_tokens, for long "
+            "prompts a larger regen.max_prompt_tokens or a smaller regen.max_new_tokens"
+        )
+    return rows
+
+
+def _prepared_samples(src: Path, out: Path):
+    """from_prepared: another prepared dataset's samples without its cached states, and its
+    stats (what it was made from), noting where they came from."""
+    from datasets import DatasetDict, load_from_disk
+
+    from data_prep.hidden import AUX
+
+    if src.resolve() == out:
+        raise PrepError(f"from_prepared={src} is out= itself: write the new dataset elsewhere")
+    stats_path = src / STATS_FILE
+    if not stats_path.is_file():
+        raise PrepError(
+            f"from_prepared={src} is not a prepared dataset ({STATS_FILE} missing): give the "
+            "out= directory of an earlier `hydra-heads prep`"
+        )
+    try:
+        stats = json.loads(stats_path.read_text())
+        dd = load_from_disk(str(src))
+    except (OSError, ValueError) as e:
+        raise PrepError(
+            f"from_prepared={src} cannot be read ({type(e).__name__}: {e}); prepare it again"
+        ) from None
+    dd = DatasetDict(
+        {k: ds.remove_columns([c for c in ("hidden", AUX) if c in ds.column_names])
+         for k, ds in dd.items()}
+    )  # fmt: skip
+    stats["from_prepared"] = str(src.resolve())
+    return dd, stats
 
 
 def _shared_samples(partial: Path, cfg: PrepConfig) -> Path:
@@ -667,8 +717,9 @@ def _cache_share(cfg: PrepConfig, partial: Path, ranks) -> dict[str, Any]:
         time.sleep(WAIT_POLL_S)
     dd = load_from_disk(str(shared))
     device = _regen_device(cfg.cache_device)
-    work = chunk_dir(partial, dd, cfg.base, cfg.cache_batch_size)
-    cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device, work, ranks)
+    aux = tuple(cfg.cache_aux_layers) if cfg.cache_aux_layers else None
+    work = chunk_dir(partial, dd, cfg.base, cfg.cache_batch_size, aux)
+    cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device, work, ranks, aux)
     return {"rank": ranks.rank, "world": ranks.world, "seconds": time.perf_counter() - t0}
 
 

@@ -107,6 +107,21 @@ def check_vocab(path: str | Path, vocab_size: int) -> None:
         )
 
 
+def check_aux_layers(path: str | Path, layers: tuple[int, ...]) -> None:
+    """Offline head=eagle3: the prepared data must hold exactly its fused layers."""
+    p = Path(path).expanduser()
+    stats = _read_json(p / "prep_stats.json", p)
+    cached = stats.get("cached_aux_layers") if isinstance(stats, dict) else None
+    if cached is None or [int(i) for i in cached] != list(layers):
+        have = "none" if cached is None else str(list(cached))
+        raise PreparedDataError(
+            f"data.offline=true with head=eagle3 needs the base's layers {list(layers)} cached, "
+            f"but data.prepared={p} holds {have}; cache them from its samples with `hydra-heads "
+            f"prep from_prepared={p} cache_hidden=true 'cache_aux_layers={list(layers)}' "
+            "out=NEW_DIR`, or set data.offline=false"
+        )
+
+
 def load_prepared(path: str | Path, vocab_size: int | None = None, offline: bool = False):
     """The DatasetDict written by `prep`, checked to be complete and to fit the base's vocab
     (when `vocab_size` is given)."""
@@ -223,8 +238,12 @@ def resume_position(steps: int, epoch_batches: int, accumulate: int = 1) -> tupl
     return epoch, step_in_epoch * accumulate
 
 
+STATE_COLUMNS = ("hidden", "aux_hidden")  # cached base states (prep cache_hidden=true)
+
+
 def collate(cols: dict[str, Any], pad_id: int, max_length: int | None) -> dict:
-    """Right-padded tensors: input_ids, attention_mask, loss_mask, segment_ids (+ hidden).
+    """Right-padded tensors: input_ids, attention_mask, loss_mask, segment_ids (+ the cached
+    states: hidden, and EAGLE-3's fused layers as aux_hidden).
 
     cols: a batch of rows as columns (what `datasets` returns for a list of indices).
     """
@@ -235,28 +254,28 @@ def collate(cols: dict[str, Any], pad_id: int, max_length: int | None) -> dict:
     attn = torch.zeros((B, T), dtype=torch.long)
     lmask = torch.zeros((B, T), dtype=torch.bool)
     seg = torch.full((B, T), -1, dtype=torch.long)
-    hidden = None
-    if "hidden" in cols:
-        hidden = torch.zeros((B, T, np.asarray(cols["hidden"][0]).shape[-1]))
+    states = {
+        c: torch.zeros((B, T, np.asarray(cols[c][0]).shape[-1])) for c in STATE_COLUMNS if c in cols
+    }
     for i, n in enumerate(lens):
         ids[i, :n] = torch.from_numpy(np.asarray(ids_rows[i][:n], dtype=np.int64))
         attn[i, :n] = 1
         lmask[i, :n] = torch.from_numpy(np.asarray(cols["loss_mask"][i][:n]) > 0)
         seg_lens = np.asarray(cols["seq_lens"][i])
         seg[i, :n] = torch.from_numpy(np.repeat(np.arange(len(seg_lens)), seg_lens)[:n])
-        if hidden is not None:
-            hidden[i, :n] = torch.from_numpy(np.asarray(cols["hidden"][i][:n], dtype=np.float32))
+        for c, t in states.items():
+            t[i, :n] = torch.from_numpy(np.asarray(cols[c][i][:n], dtype=np.float32))
     out = {"input_ids": ids, "attention_mask": attn, "loss_mask": lmask, "segment_ids": seg}
-    if hidden is not None:
-        out["hidden"] = hidden
-    return out
+    return {**out, **states}
 
 
 class _Batches(torch.utils.data.Dataset):
     """A datasets.Dataset read one whole batch of indices at a time (one Arrow take per batch)."""
 
     def __init__(self, ds, pad_id: int, max_length: int | None, with_hidden: bool = False):
-        cols = ["input_ids", "loss_mask", "seq_lens"] + (["hidden"] if with_hidden else [])
+        cols = ["input_ids", "loss_mask", "seq_lens"]
+        if with_hidden:  # every cached state the dataset has
+            cols += [c for c in STATE_COLUMNS if c in ds.column_names]
         self.ds = ds.with_format("numpy", columns=cols)
         self.pad_id, self.max_length = pad_id, max_length
 
