@@ -201,12 +201,19 @@ def slurm_up() -> bool:
 # -- heads ---------------------------------------------------------------------------------------
 def arch_shape(arch: str, num_heads: int, num_layers: int) -> dict:
     """Head-config sizes for a test of `arch`: the given ones, or one head of one layer for a
-    recurrent head set (eagle-attn), whose config allows nothing else."""
+    recurrent head set (eagle-attn), whose config allows nothing else (EAGLE-3: up to 3
+    unrolled steps)."""
     from train.heads import HEADS
 
-    if HEADS[arch].recurrent:
-        return {"num_heads": 1, "num_layers": 1}
+    if HEADS[arch].recurrent:  # an unrolled set's num_heads: its training-time test steps
+        return {"num_heads": min(num_heads, 3) if HEADS[arch].unrolled else 1, "num_layers": 1}
     return {"num_heads": num_heads, "num_layers": num_layers}
+
+
+def feature_width(heads) -> int:
+    """The width of what `heads` read from the base: H, or EAGLE-3's fused layers (n H)."""
+    n = len(heads.features) if isinstance(heads.features, tuple) else 1
+    return n * heads.hidden_size
 
 
 def make_heads(model, arch: str, seed: int, scale: float, draft: int | None = None, **head):

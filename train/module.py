@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.config import OptimConfig
+from train.decoding.backend import head_features, wants_layers
 from train.heads import HeadSet, LossConfig
 from train.losses import METRIC_NAMES, HeadInput, fused_heads_loss
 
@@ -154,18 +155,19 @@ class HeadsModule(pl.LightningModule):
         T = ids.shape[1]
         dtype = self.heads.lm_heads[0].weight.dtype
         with torch.no_grad():
-            if "hidden" in batch:
+            if "hidden" in batch:  # offline: the cached states (EAGLE-3's: its fused layers)
                 final = batch["hidden"]
-                ctx_in = final
+                ctx_in = batch["aux_hidden"] if isinstance(self.heads.features, tuple) else final
             else:
+                features = self.heads.features  # the offset's layer, or EAGLE-3's fused ones
                 out = self.base_model.model(
                     input_ids=ids,
                     attention_mask=batch["attention_mask"],
-                    output_hidden_states=self.offset > 0,
+                    output_hidden_states=wants_layers(features),
                     use_cache=False,
                 )
                 final = out.last_hidden_state  # (B, T, H), post final norm
-                ctx_in = final if self.offset == 0 else out.hidden_states[-1 - self.offset]
+                ctx_in = head_features(out, features)
             embeds = F.embedding(ids, self.embed_weight) if self.heads.uses_path else None
         lengths = batch["attention_mask"].sum(-1)  # unpadded: the noise scale (zankner/Hydra)
         embeds = None if embeds is None else embeds.to(dtype)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from train.heads.config import RECURRENT
+from train.heads.config import RECURRENT, UNROLLED
 
 GPUS_GB = {"a100_40gb": 40, "a100_80gb": 80, "h100_80gb": 80, "h200": 141, "l40s": 48, "a10g": 24}
 GIB = 1024**3
@@ -154,13 +154,16 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     elif sharded:
         # + what is gathered whole during a step: the output projections (read by the loss for
         # the whole step) and the largest head module at a time
-        lm = 0 if cfg.head.name in RECURRENT else K * V_out * H  # theirs is frozen
+        frozen = cfg.head.name in RECURRENT and cfg.head.name not in UNROLLED
+        lm = 0 if frozen else (V_out * H if cfg.head.name in UNROLLED else K * V_out * H)
         working = 4 * (lm + (P_heads - lm) / K)
         p, g, o = p / W + working, g / W, o / W
     elif st.strategy == "ddp":
         g *= 2  # gradient buckets
     rows.update({"heads weights": p, "heads grads": g, "heads AdamW states": o})
-    if cfg.head.name in RECURRENT:  # its lm head: the base's rows, frozen (no grads, no AdamW)
+    # zankner/Hydra's recurrent heads: the base's rows, frozen (no grads, no AdamW); EAGLE-3's
+    # is its own, trained (in P_heads)
+    if cfg.head.name in RECURRENT and cfg.head.name not in UNROLLED:
         rows["heads frozen lm head"] = V_out * H * 4
     # base forward (no grad): one layer's transients + the hidden states kept for the heads
     BT = B * T
@@ -169,14 +172,16 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     rows["base forward activations"] = 0 if cfg.data.offline else BT * (5 * H + mlp_act) * a
     if st.device == "cpu" and not cfg.data.offline:
         rows["base attention scores (CPU math kernel)"] = B * nh * T * T * 4
-    kept = 2 + (arch["num_hidden_layers"] + 1 if cfg.head.hidden_state_offset else 0)
+    layers = cfg.head.hidden_state_offset or cfg.head.name in UNROLLED  # every layer's output
+    kept = 2 + (arch["num_hidden_layers"] + 1 if layers else 0)
     rows["base hidden states kept"] = BT * H * a * kept
     # heads: inputs (context + path embeddings) and per-block saved tensors, per head
     uses_path = cfg.head.name != "medusa"
     in_dims = sum((k + 2) * H if uses_path else H for k in range(K))
     heads_act = BT * (in_dims * 2 + K * cfg.head.num_layers * 3 * H)
     if cfg.head.name in ("hydra_pp", *RECURRENT):
-        heads_act += BT * (8 * H + 3 * inter)  # the extra decoder layer's saved tensors
+        steps = K if cfg.head.name in UNROLLED else 1  # EAGLE-3: the layer per unrolled step
+        heads_act += steps * BT * (8 * H + 3 * inter)  # the extra decoder layer's saved tensors
     rows["heads activations"] = heads_act * a
     # loss: valid positions gathered per head, one logits chunk (head + teacher), and the
     # closed-form gradients kept for backward (dL/dstate and dL/dW per head)

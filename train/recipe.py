@@ -22,6 +22,7 @@ from train.core.hardware import cpu_has_bf16, resolve_precision
 from train.data import (
     NOT_RESUMABLE_WARNING,
     PreparedDataModule,
+    check_aux_layers,
     check_prepared,
     check_vocab,
     load_prepared,
@@ -163,6 +164,8 @@ def build_module(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         heads = build_heads(cfg.head, base_shape(base.config), base.output_weight(), draft_ids)
+    if offline and isinstance(heads.features, tuple):  # EAGLE-3's fused layers, cached by prep
+        check_aux_layers(cfg.data.prepared, heads.features)
     meta = heads_meta(heads, fp, cfg.base.to_dict())
     module = HeadsModule(
         heads,

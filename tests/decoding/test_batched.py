@@ -32,7 +32,9 @@ TREES = {
 }
 
 
-@pytest.mark.parametrize("arch", ["medusa", "hydra", "hydra_pp", "hydra_eagle", "hydra_cross_attn"])
+@pytest.mark.parametrize(
+    "arch", ["medusa", "hydra", "hydra_pp", "hydra_eagle", "hydra_cross_attn", "eagle3"]
+)
 @pytest.mark.parametrize("tree", list(TREES))
 def test_batched_rows_are_their_batch_1_greedy_decodes(tiny_base, arch, tree):
     """Prompts of different lengths, one row ending at an EOS mid-batch: each row's tokens are

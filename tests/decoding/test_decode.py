@@ -24,7 +24,9 @@ def encode(tok, text: str) -> list[int]:
 
 @given(
     paths=trees(max_depth=4, max_nodes=24),
-    arch=st.sampled_from(["medusa", "hydra", "hydra_pp", "hydra_eagle", "hydra_cross_attn"]),
+    arch=st.sampled_from(
+        ["medusa", "hydra", "hydra_pp", "hydra_eagle", "hydra_cross_attn", "eagle3"]
+    ),
     seed=st.integers(0, 10_000),
     scale=st.sampled_from([0.0, 0.01, 0.3]),
     draft=st.sampled_from([None, 64]),

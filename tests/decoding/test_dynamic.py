@@ -56,7 +56,9 @@ def test_dynamic_tree_is_a_tree_of_the_most_probable_paths(tiny_base, arch, draf
     assert tree.max_depth >= 2
 
 
-@pytest.mark.parametrize("arch", ["medusa", "hydra", "hydra_pp", "hydra_eagle", "hydra_cross_attn"])
+@pytest.mark.parametrize(
+    "arch", ["medusa", "hydra", "hydra_pp", "hydra_eagle", "hydra_cross_attn", "eagle3"]
+)
 def test_greedy_with_dynamic_trees_equals_plain_greedy(tiny_base, arch):
     heads = make_heads(tiny_base.model, arch, 5, 0.05)
     for prompt in ("hello there, how are you?", "count: 1 2 3 4"):

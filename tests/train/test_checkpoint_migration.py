@@ -60,7 +60,7 @@ def _edit_meta(d: Path, edit) -> None:
 def test_a_saved_checkpoint_records_every_head_and_base_key(tmp_path, tiny_base):
     d = _saved(tmp_path, tiny_base, "hydra_pp")
     meta = json.loads((d / CONFIG_FILE).read_text())
-    assert meta["format"] == FORMAT == "hydra-heads/3"
+    assert meta["format"] == FORMAT == "hydra-heads/4"
     assert set(meta["head"]) == set(HeadConfig.model_fields)
     assert set(meta["head"]["loss"]) == set(LossConfig.model_fields)
     cfg = meta["base"]["config"]
@@ -85,7 +85,7 @@ def test_v1_checkpoint_missing_keys_migrates_and_loads(tmp_path, tiny_base, name
 
     def to_v1(meta):
         meta["format"] = "hydra-heads/1"
-        for key in ("bias", "tie_blocks", "init", "dropout", "noise_alpha"):
+        for key in ("aux_layers", "bias", "tie_blocks", "init", "dropout", "noise_alpha"):
             del meta["head"][key]
         for key in ("head_weighting", "chunk_size", "head_decay"):
             del meta["head"]["loss"][key]
@@ -136,7 +136,7 @@ def test_v2_checkpoint_gets_forward_kl_and_loads(tmp_path, tiny_base):
 
     def to_v2(meta):
         meta["format"] = "hydra-heads/2"
-        del meta["head"]["loss"]["kind"], meta["head"]["loss"]["mix"]
+        del meta["head"]["loss"]["kind"], meta["head"]["loss"]["mix"], meta["head"]["aux_layers"]
 
     original, _ = load_heads(d, tiny_base.fingerprint())
     assert original.cfg.loss.kind == "lk"
@@ -148,13 +148,25 @@ def test_v2_checkpoint_gets_forward_kl_and_loads(tmp_path, tiny_base):
         assert torch.equal(a, b)
 
 
+def test_v3_checkpoint_gets_no_fused_layers_and_loads(tmp_path, tiny_base):
+    """Format 3 predates head.aux_layers (EAGLE-3's fused layers): no head of it fused any."""
+    d = _saved(tmp_path, tiny_base, "hydra")
+    original, _ = load_heads(d, tiny_base.fingerprint())
+    _edit_meta(d, lambda m: (m.update(format="hydra-heads/3"), m["head"].pop("aux_layers")))
+    loaded, meta = load_heads(d, tiny_base.fingerprint())
+    assert meta["format"] == FORMAT and meta["head"]["aux_layers"] is None
+    x, e = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
+    for a, b in zip(original(x, e), loaded(x, e), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_future_format_names_the_file_the_format_and_the_fix(tmp_path, tiny_base):
     d = _saved(tmp_path, tiny_base)
-    _edit_meta(d, lambda m: m.update(format="hydra-heads/4"))
+    _edit_meta(d, lambda m: m.update(format="hydra-heads/5"))
     with pytest.raises(FormatTooNewError) as e:
         load_heads(d)
     msg = str(e.value)
-    assert str(d / CONFIG_FILE) in msg and "'hydra-heads/4'" in msg and "upgrade hydra-heads" in msg
+    assert str(d / CONFIG_FILE) in msg and "'hydra-heads/5'" in msg and "upgrade hydra-heads" in msg
     _edit_meta(d, lambda m: m.update(format="other-tool/1"))
     with pytest.raises(CheckpointError, match="not a hydra-heads heads checkpoint"):
         load_heads(d)

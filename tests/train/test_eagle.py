@@ -42,7 +42,7 @@ def test_only_the_layer_trains_and_the_lm_head_is_the_base_s(tiny_base):
     }
 
 
-@pytest.mark.parametrize("name", ["hydra_eagle", "hydra_cross_attn"])
+@pytest.mark.parametrize("name", ["hydra_eagle", "hydra_cross_attn", "eagle3"])
 def test_drafting_on_a_path_equals_the_unrolled_chain(tiny_base, name):
     """What decoding drafts along a path (context over the prefix, then one step per depth
     attending to the prefix and the node's ancestors) is what calibration's unroll computes at
@@ -52,7 +52,7 @@ def test_drafting_on_a_path_equals_the_unrolled_chain(tiny_base, name):
     T, t = 14, 8
     torch.manual_seed(3)
     ids = torch.randint(0, tiny_base.vocab_size, (T,))
-    hidden = torch.randn(T, 64)
+    hidden = torch.randn(T, 3 * 64 if name == "eagle3" else 64)  # eagle3: 3 fused layers
     chain = unroll(heads, hidden, ids, embed, 4)
     cache = KVCache(1, 64)
     # the accepted prefix 0..t: contexts read x_{p+1}
@@ -135,14 +135,16 @@ def test_format_hydra_round_trip_matches_the_official_module(tmp_path, tiny_base
 
 
 @pytest.mark.parametrize(("name", "arch"), [("hydra_eagle", "eagle-attn"),
-                                            ("hydra_cross_attn", "cross-attn")])  # fmt: skip
+                                            ("hydra_cross_attn", "cross-attn"),
+                                            ("eagle3", None)])  # fmt: skip
 def test_recurrent_heads_train_and_decode_losslessly_from_the_cli(
     tmp_path, tiny_prepared, name, arch
 ):
     """`train head=hydra_eagle` (and cross-attn) then `eval` on every kind of tree: a
     calibrated one (measured by unrolling the layer on its own states, four depths deep from
     one head), a chain as deep as the recurrent default, a dynamic one; all lossless. Then
-    `export format=hydra`."""
+    `export format=hydra` (eagle3: format=eagle3, EAGLE-3's layout, trained with 2 steps of
+    training-time test)."""
     from tests.helpers import run_here
 
     out = tmp_path / "run"
@@ -157,6 +159,7 @@ def test_recurrent_heads_train_and_decode_losslessly_from_the_cli(
         "final_validation=false",
         "data.batch_size=4",
         "optim.lr=3e-3",
+        *(["head.num_heads=2"] if name == "eagle3" else []),
     )
     assert r.returncode == 0, r.stderr[-3000:]
     heads = out / "heads"
@@ -176,7 +179,11 @@ def test_recurrent_heads_train_and_decode_losslessly_from_the_cli(
             assert len(res["tree"]["calibration"]["acc"]) == 4  # one head, four depths
         if tree[0] == "tree=chain":
             assert res["tree"]["depth"] == 4 and res["tree"]["num_nodes"] == 4
-    r = run_here("export", f"heads={heads}", "format=hydra", f"out={tmp_path / 'x'}")
+    fmt = "eagle3" if name == "eagle3" else "hydra"
+    r = run_here("export", f"heads={heads}", f"format={fmt}", f"out={tmp_path / 'x'}")
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = json.loads((tmp_path / "x" / "config.json").read_text())
-    assert cfg["hydra_head_arch"] == arch
+    if name == "eagle3":  # the recipe's draft vocab: every token of the tiny tokenizer's
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"]
+    else:
+        assert cfg["hydra_head_arch"] == arch

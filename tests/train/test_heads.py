@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import arch_shape, full_vocab_logits, head_config, head_step, propose_chain
+from tests.helpers import (
+    arch_shape,
+    feature_width,
+    full_vocab_logits,
+    head_config,
+    head_step,
+    propose_chain,
+)
 from train.decoding.cache import KVCache
 from train.heads import HEADS, base_shape, build_heads
 from train.heads.blocks import ResBlock
@@ -28,11 +35,14 @@ def make(tiny_base, name, draft=None, **kw):
     return heads.eval()
 
 
-@pytest.mark.parametrize("name", [n for n in sorted(HEADS) if n != "hydra_cross_attn"])
+@pytest.mark.parametrize(
+    "name", [n for n in sorted(HEADS) if n not in ("hydra_cross_attn", "eagle3")]
+)
 def test_fresh_heads_start_as_the_base_lm_head(tiny_base, name):
     """init=ours: every head reads h_t unchanged (Hydra++: its extra layer's final RMSNorm of
     h_t, h_t / rms(h_t), so the same top-1 token as the base) through the base's lm_head.
-    (cross-attn's residual stream is the next token's embedding: the test below.)"""
+    (cross-attn's residual stream is the next token's embedding: the test below; EAGLE-3's
+    reads its fused layers: test_eagle3.py.)"""
     heads = build_heads(
         head_config(name, **arch_shape(name, 3, 2), init="ours"),
         base_shape(tiny_base.config),
@@ -82,7 +92,7 @@ def test_causality(tiny_base, name):
     T = 12
     torch.manual_seed(1)
     ids = torch.randint(0, 250, (1, T))
-    hidden = torch.randn(1, T, 64)
+    hidden = torch.randn(1, T, feature_width(heads))
     base = heads(hidden, tiny_base.embed_tokens(ids))
     for k in range(1, heads.num_heads + 1):
         for t in range(0, T - k - 1):
@@ -121,7 +131,7 @@ def test_selected_positions_equal_the_full_forward(tiny_base, name):
     heads = make(tiny_base, name)
     B, T = 2, 9
     ids = torch.randint(0, 250, (B, T))
-    hidden, emb = torch.randn(B, T, 64), tiny_base.embed_tokens(ids)
+    hidden, emb = torch.randn(B, T, feature_width(heads)), tiny_base.embed_tokens(ids)
     full = heads(hidden, emb)
     torch.manual_seed(3)
     select = []

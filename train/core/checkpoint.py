@@ -24,7 +24,7 @@ from train.core.errors import NotFound, UserError
 HEADS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads_config.json"
 FORMAT_NAME = "hydra-heads"
-VERSION = 3
+VERSION = 4
 FORMAT = f"{FORMAT_NAME}/{VERSION}"
 
 # Top-level keys of heads_config.json that rebuilding the heads reads, and their JSON types.
@@ -133,8 +133,25 @@ def _v2_to_v3(meta: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+# Format 4 added EAGLE-3's fused layers (head.aux_layers); no earlier head fused any.
+V3_HEAD = {"aux_layers": None}
+
+
+def _v3_to_v4(meta: dict[str, Any]) -> dict[str, Any]:
+    """Format 3 -> 4: head.aux_layers, null for every format-3 file."""
+    head = meta.get("head")
+    if isinstance(head, dict):  # else: check_keys
+        meta["head"] = {**V3_HEAD, **head}
+    meta["format"] = f"{FORMAT_NAME}/4"
+    return meta
+
+
 # MIGRATIONS[v] turns a format-v meta into a format-(v+1) one.
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2, 2: _v2_to_v3}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    1: _v1_to_v2,
+    2: _v2_to_v3,
+    3: _v3_to_v4,
+}
 
 
 def format_version(meta: dict[str, Any], where: str | Path = "heads_config.json") -> int:

@@ -347,6 +347,22 @@ def cache_kwarg(model_cls: type) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def head_features(out, features: int | tuple[int, ...] = 0) -> torch.Tensor:
+    """What the heads read from a base forward's output `out` (run with
+    `output_hidden_states=wants_layers(features)`): `features` 0, the final (post-norm)
+    hidden states; n > 0, the output of the n-th layer from the end; a tuple, the hidden states
+    at those indices of `out.hidden_states` (0: the embeddings, i: the input of layer i),
+    concatenated (EAGLE-3's low, middle and high layers)."""
+    if isinstance(features, tuple):
+        return torch.cat([out.hidden_states[i] for i in features], dim=-1)
+    return out.last_hidden_state if features == 0 else out.hidden_states[-1 - features]
+
+
+def wants_layers(features: int | tuple[int, ...]) -> bool:
+    """Whether `head_features` reads per-layer hidden states (output_hidden_states=True)."""
+    return isinstance(features, tuple) or features > 0
+
+
 @torch.no_grad()
 def forward(
     model: nn.Module,
@@ -354,15 +370,15 @@ def forward(
     positions: torch.Tensor,
     cache,
     mask: torch.Tensor | None = None,
-    hidden_state_offset: int = 0,
+    features: int | tuple[int, ...] = 0,
     body=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The base's body over `input_ids` (B, n) at `positions` (B, n), appending to `cache`,
     under the additive `mask` (B, 1, n, cached + n), or causal attention when None.
 
     Returns the final (post-norm) hidden states (B, n, H), which the base's lm_head turns into
-    logits, and the hidden states the heads read: the same tensor, or the output of the
-    `hidden_state_offset`-th layer from the end when the heads were trained on that.
+    logits, and what the heads read (`head_features`: the same tensor, another layer's output,
+    or several layers' concatenated).
     `body`: what runs in place of `model.model` (its compiled version).
     """
     out = (body if body is not None else model.model)(
@@ -370,9 +386,7 @@ def forward(
         attention_mask=mask,
         position_ids=positions,
         use_cache=True,
-        output_hidden_states=hidden_state_offset > 0,
+        output_hidden_states=wants_layers(features),
         **{cache_kwarg(type(model.model)): cache},
     )
-    final = out.last_hidden_state
-    ctx = final if hidden_state_offset == 0 else out.hidden_states[-1 - hidden_state_offset]
-    return final, ctx
+    return out.last_hidden_state, head_features(out, features)

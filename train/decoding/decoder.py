@@ -80,7 +80,8 @@ class Decoder:
         self.model = model.eval()
         self.eos = set(eos)
         self.sampling = sampling or SamplingConfig(temperature=0.0, acceptance="greedy", seed=0)
-        self.offset = hidden_state_offset
+        # what the heads read from the base: theirs (EAGLE-3: several layers), else the offset
+        self.offset = heads.features if heads is not None else hidden_state_offset
         self.device = next(model.parameters()).device
         self.dtype = compute_dtype(model)  # the base's activations (bf16 for a bf16 base)
         self.heads = None

@@ -1,11 +1,13 @@
-"""Convert heads checkpoints to and from the hf, hydra (zankner/Hydra) and medusa (vLLM) layouts.
+"""Convert heads checkpoints to and from the hf, hydra (zankner/Hydra), medusa (vLLM), eagle3
+(SafeAILab/EAGLE: SGLang, vLLM) and speculators (vLLM) layouts.
 
 Every conversion is exact or refused: a format that cannot express what our heads compute (a
 bias we lack, weights their code shares, a layer they normalise) is a `FormatError` naming the
 option and the fix, never a file that proposes other tokens.
 
-One module per format (`hf`, `hydra`, `medusa`) holds its layout: `files(...)`, what an export
-writes, and `read(src)`, a source in our parameter names; `model_card` writes hf's README.md.
+One module per format (`hf`, `hydra`, `medusa`; `eagle3` for both EAGLE-3 layouts) holds its
+layout: `files(...)`, what an export writes, and `read(src)`, a source in our parameter names;
+`model_card` writes hf's README.md.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from train.core.base import BaseConfig, DeferredBase, load_base, recorded_base
 from train.core.checkpoint import check_base
 from train.core.config import fail
 from train.core.errors import NotFound
-from train.export import hf, hydra, medusa, model_card
+from train.export import eagle3, hf, hydra, medusa, model_card
 from train.export.common import FormatError, check_out, write_dir
 from train.heads import base_shape, build_heads, heads_meta, load_heads, save_heads
 
-Format = Literal["hf", "hydra", "medusa"]
+Format = Literal["hf", "hydra", "medusa", "eagle3", "speculators"]
+FORMATS = "hf, hydra, medusa, eagle3, speculators"
 
 
 def recorded_base_id(meta: dict) -> str:
@@ -57,8 +60,10 @@ def export_heads(
         files = hydra.files(heads, base_id)
     elif fmt == "medusa":
         files = medusa.files(heads, base_id, notes)
+    elif fmt in ("eagle3", "speculators"):
+        files = eagle3.files(heads, base_id, fmt, notes)
     else:
-        fail("format", fmt, "one of hf, hydra, medusa")
+        fail("format", fmt, f"one of {FORMATS}")
     written = write_dir(out, files)
     return {"format": fmt, "out": str(out), "arch": heads.arch, "files": written, "notes": notes}
 
@@ -77,8 +82,9 @@ def import_heads(
         raise NotFound(f"{src} is not a directory (src= must be a {fmt} heads dir)")
     check_out(out, src, overwrite)
     readers = {"hf": hf.read, "hydra": hydra.read, "medusa": medusa.read}
+    readers |= {"eagle3": eagle3.read, "speculators": eagle3.read}  # it tells them apart
     if fmt not in readers:
-        fail("format", fmt, "one of hf, hydra, medusa")
+        fail("format", fmt, f"one of {FORMATS}")
     parsed = readers[fmt](src)
     if base is None:
         if not parsed.recorded_base:

@@ -24,17 +24,12 @@ from train.core.checkpoint import (
 from train.core.errors import NotFound
 from train.export.common import FormatError, Parsed, SameAs, load_state, read_json
 from train.export.model_card import model_card
-from train.heads import HeadSet
+from train.heads import HEADS, HeadSet
 from train.heads.io import recorded_head
 
 HF_KEYS = ("architectures", "model_type", "base_model_name_or_path", "torch_dtype")
-ARCH_CLASS = {
-    "medusa": "MedusaHeads",
-    "hydra": "HydraHeads",
-    "hydra_pp": "HydraPPHeads",
-    "hydra_eagle": "EagleAttnHeads",
-    "hydra_cross_attn": "CrossAttnHeads",
-}
+# `architectures` names the head set's class (MedusaHeads, HydraPPHeads, Eagle3Heads, ...)
+ARCH_CLASS = {name: cls.__name__ for name, cls in HEADS.items()}
 
 
 def files(

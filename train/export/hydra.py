@@ -112,6 +112,13 @@ RECURRENT_ARCH = {
 
 def files(heads: HeadSet, base_id: str) -> dict[str, Any]:
     """The format=hydra export of `heads` trained on `base_id`: file name -> content."""
+    if heads.recurrent and heads.arch not in RECURRENT_ARCH:
+        raise FormatError(
+            f"{heads.arch} heads cannot be exported as format=hydra: zankner/Hydra has no "
+            f"{heads.arch} module (its hydra_head_arch values are mlp, prefix-mlp, eagle-attn "
+            "and cross-attn). Export format=eagle3 (SGLang, vLLM), format=speculators (vLLM) "
+            "or format=hf"
+        )
     if heads.draft is not None:
         raise FormatError(
             f"{heads.arch} heads with a draft vocab (draft_vocab_size={heads.draft.size}) cannot "

@@ -16,6 +16,7 @@ ARCH_TITLE = {
     "hydra_pp": "Hydra++",
     "hydra_eagle": "Hydra eagle-attn",
     "hydra_cross_attn": "Hydra cross-attn",
+    "eagle3": "EAGLE-3",
 }
 
 
@@ -60,6 +61,12 @@ def _ci(res: dict, key: str) -> str:
     return f" (95% CI {ci[0]:.3f}-{ci[1]:.3f})" if ci else ""
 
 
+def _features(heads: HeadSet, offset: int) -> str:
+    if isinstance(heads.features, tuple):  # EAGLE-3's fused layers
+        return "the inputs of layers " + ", ".join(str(i) for i in heads.features)
+    return "last (post-norm)" if offset == 0 else f"layer {offset} from last"
+
+
 # Over 80 lines: the card is one template of text, read top to bottom as it renders.
 def model_card(heads: HeadSet, meta: dict, base_id: str, res: dict | None) -> str:
     """README.md of an hf export: what the heads are, how to use them, how well they did."""
@@ -74,6 +81,8 @@ def model_card(heads: HeadSet, meta: dict, base_id: str, res: dict | None) -> st
         "base hidden state, drafting recurrently on its own states (zankner/Hydra eagle-attn)",
         "hydra_cross_attn": "the next token's embedding attending to the base hidden states, "
         "drafting recurrently with its ancestors' outputs as keys (zankner/Hydra cross-attn)",
+        "eagle3": "low, middle and high base layers fused, one decoder layer over the next "
+        "token's embedding and that feature, trained by training-time test (Li et al., 2025)",
     }[heads.arch]
     front = ["---", "library_name: hydra-heads"]
     if re.fullmatch(r"[\w.-]+/[\w.-]+", base_id):  # only a hub id is a valid `base_model`
@@ -87,7 +96,7 @@ def model_card(heads: HeadSet, meta: dict, base_id: str, res: dict | None) -> st
         ("heads x residual blocks", f"{heads.num_heads} x {heads.cfg.num_layers}"),
         ("hidden size / vocab", f"{heads.hidden_size} / {heads.vocab_size}"),
         ("draft vocab", f"{draft} most frequent training tokens" if draft else "full vocab"),
-        ("base hidden state", "last (post-norm)" if offset == 0 else f"layer {offset} from last"),
+        ("base hidden state", _features(heads, offset)),
         ("base model", f"`{base_id}` (shape fingerprint `{fp.get('shapes_sha256', '-')}`)"),
     ]
     training = meta.get("training") or {}

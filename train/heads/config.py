@@ -9,7 +9,10 @@ from pydantic import model_validator
 from train.core.config import ConfigModel, NonNegative, Positive, check, fail
 
 # Head sets of one layer that draft recurrently (their classes say `recurrent = True`).
-RECURRENT = ("hydra_eagle", "hydra_cross_attn")
+RECURRENT = ("hydra_eagle", "hydra_cross_attn", "eagle3")
+# Of those, the ones trained unrolled on their own states ("training-time test", EAGLE-3): their
+# num_heads is the number of unrolled steps, all scored by the one lm head.
+UNROLLED = ("eagle3",)
 
 # The distillation divergences of train/losses.py, the one list of their names.
 KINDS = ("kl", "reverse_kl", "jsd", "tv", "lk")
@@ -61,10 +64,13 @@ class LossConfig(ConfigModel):
 class HeadConfig(ConfigModel):
     """Architecture of a draft head set."""
 
-    name: Literal["medusa", "hydra", "hydra_pp", "hydra_eagle", "hydra_cross_attn"]
+    name: Literal["medusa", "hydra", "hydra_pp", "hydra_eagle", "hydra_cross_attn", "eagle3"]
     num_heads: Annotated[int, check(lambda v: 1 <= v <= 16, "an integer in [1, 16]")]
     num_layers: Positive  # residual MLP blocks per head, each with its own weights
     hidden_state_offset: NonNegative  # 0: last (post-norm) state; n: n-th layer from the last
+    # eagle3: the base's hidden states its fc fuses, as indices of transformers' hidden_states
+    # (0: the embeddings, i: the input of layer i); null: EAGLE-3's (2, N // 2, N - 3)
+    aux_layers: list[NonNegative] | None
     # predict only the N most frequent training tokens (null: the full vocab)
     draft_vocab_size: Annotated[int, check(lambda v: v >= 16, "null (full vocab) or >= 16")] | None
     noise_alpha: Annotated[float, check(lambda v: v >= 0, "a number >= 0")]  # NEFTune noise
@@ -82,11 +88,25 @@ class HeadConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _one_recurrent_layer(self) -> HeadConfig:
-        if self.name in RECURRENT:  # zankner/Hydra's eagle-attn, cross-attn: one layer
+        if self.name in RECURRENT:  # zankner/Hydra's eagle-attn, cross-attn, EAGLE-3: one layer
             why = f"{self.name} is one layer drafting recurrently (tree depth: the tree's)"
-            for key, want in (("num_heads", 1), ("num_layers", 1), ("dropout", 0.0)):
+            wants = [("num_layers", 1), ("dropout", 0.0)]
+            if self.name not in UNROLLED:  # eagle3's num_heads: its training-time test steps
+                wants.insert(0, ("num_heads", 1))
+            for key, want in wants:
                 if getattr(self, key) != want:
                     fail(key, getattr(self, key), f"{want} ({why})")
             if self.bias:
-                fail("bias", True, f"false ({self.name} scores with the base's own lm_head)")
+                fail("bias", True, f"false ({self.name}'s lm head has no bias)")
+        if self.aux_layers is not None:
+            if self.name != "eagle3":
+                fail(
+                    "aux_layers",
+                    self.aux_layers,
+                    f"null (only eagle3 fuses layers, not {self.name})",
+                )
+            if not self.aux_layers:
+                fail("aux_layers", self.aux_layers, "layer indices, e.g. [2, 15, 27], or null")
+            if self.hidden_state_offset:
+                fail("hidden_state_offset", self.hidden_state_offset, "0 (eagle3 reads aux_layers)")
         return self

@@ -28,6 +28,9 @@ class HeadSet(nn.Module):
     # next token's embedding too, and it drafts deeper on its own output states (`step`)
     # instead of with one head per depth.
     recurrent: bool = False
+    unrolled: bool = False  # a recurrent set trained on its own states (EAGLE-3's steps)
+    # One lm head scores every head (EAGLE-3's unrolled steps): lm_heads holds it K times.
+    shared_lm_head: bool = False
     RECURRENT_DEPTH = 4  # a recurrent set's chain and dynamic trees: mc_sim_7b_63's depth
 
     def __init__(
@@ -56,13 +59,15 @@ class HeadSet(nn.Module):
             else lm_head_weight.detach()[self.draft.to_full]
         )
         self.lm_heads = nn.ModuleList()
-        for _ in range(cfg.num_heads):
+        for _ in range(1 if self.shared_lm_head else cfg.num_heads):
             lin = nn.Linear(hidden_size, rows.shape[0], bias=cfg.bias)
             with torch.no_grad():  # the base's own lm_head (official init: its bias random)
                 lin.weight.copy_(rows.to(lin.weight.dtype))
                 if cfg.bias and cfg.init == "ours":
                     lin.bias.zero_()
             self.lm_heads.append(lin)
+        if self.shared_lm_head:
+            self.lm_heads = nn.ModuleList([self.lm_heads[0]] * cfg.num_heads)
         self.lm_dropout = nn.Dropout(cfg.dropout)  # before each lm head, as zankner/Hydra's
         # Head k's residual MLP: its first block reads the context, plus the k+1 path
         # embeddings for heads that use the path ((k+2)H -> H).
@@ -92,6 +97,12 @@ class HeadSet(nn.Module):
     def draft_depth(self) -> int:
         """How deep a chain or a dynamic tree drafts by default."""
         return self.RECURRENT_DEPTH if self.recurrent else self.cfg.num_heads
+
+    @property
+    def features(self) -> int | tuple[int, ...]:
+        """What the heads read from the base (train/decoding/backend.py `head_features`): the
+        hidden_state_offset-th layer from the end (0: the final state), or several layers."""
+        return self.cfg.hidden_state_offset
 
     @property
     def out_vocab_size(self) -> int:
@@ -200,16 +211,19 @@ class HeadSet(nn.Module):
 
 class RecurrentHeadSet(HeadSet):
     """One draft layer that drafts deeper on its own output states (zankner/Hydra's eagle-attn
-    and cross-attn): one head, no residual blocks and no dropout, scored by the base's own
-    lm_head (its rows, frozen, no bias). Subclasses build the layer and define `context` (which
-    also reads the next token's embedding) and `step`."""
+    and cross-attn, EAGLE-3): no residual blocks and no dropout. zankner/Hydra's are one head
+    scored by the base's own lm_head (its rows, frozen, no bias); an `unrolled` set (EAGLE-3)
+    trains num_heads unrolled steps on its own states, all scored by one lm head of its own
+    (trained). Subclasses build the layer and define `context` (which also reads the next
+    token's embedding) and `step`."""
 
     uses_path = True  # the context reads the next token's embedding
     recurrent = True
 
     def __init__(self, cfg: HeadConfig, *args, **kwargs):
         """HeadSet's arguments; then `build` makes the layer from the base's attention shape."""
-        if cfg.num_heads != 1 or cfg.num_layers != 1 or cfg.dropout or cfg.bias:
+        one = cfg.num_heads == 1 or self.unrolled
+        if not one or cfg.num_layers != 1 or cfg.dropout or cfg.bias:
             raise ValueError(
                 f"head={cfg.name} is one layer drafting recurrently, with no dropout, scored by "
                 "the base's own lm_head: set head.num_heads=1, head.num_layers=1, "
@@ -218,7 +232,8 @@ class RecurrentHeadSet(HeadSet):
             )
         super().__init__(cfg, *args, **kwargs)
         self.mlps = nn.ModuleList()  # no residual blocks: the layer is the head
-        self.lm_heads[0].weight.requires_grad_(False)  # the base's own lm_head, frozen
+        if not self.unrolled:
+            self.lm_heads[0].weight.requires_grad_(False)  # the base's own lm_head, frozen
         shape = {**self.base_shape, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
         self.build(layer_config(shape))
 

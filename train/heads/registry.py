@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from train.heads.config import HeadConfig
+from train.heads.eagle3 import Eagle3Heads
 from train.heads.headset import HeadSet
 from train.heads.hydra import HydraHeads
 from train.heads.hydra_cross_attn import CrossAttnHeads
@@ -21,6 +22,7 @@ HEADS: dict[str, type[HeadSet]] = {
     "hydra_pp": HydraPPHeads,
     "hydra_eagle": EagleAttnHeads,
     "hydra_cross_attn": CrossAttnHeads,
+    "eagle3": Eagle3Heads,
 }
 
 # Base-config fields that shape the heads (Hydra++'s extra layer copies the attention shape).
