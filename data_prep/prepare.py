@@ -573,7 +573,7 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
         shutil.rmtree(stale, ignore_errors=True)
     work = partial / f"spool-{os.getpid()}"
     if cfg.from_prepared is not None:
-        dd, stats = _prepared_samples(Path(cfg.from_prepared).expanduser(), out)
+        dd, stats = _prepared_samples(Path(cfg.from_prepared).expanduser(), out, cfg.base.name)
         num_proc = None
     else:
         dd, make_stats, num_proc = _samples(cfg, timing, t_start, partial, work)
@@ -667,7 +667,7 @@ def _regenerated(cfg: PrepConfig, rows, partial: Path, skips) -> list:
     return rows
 
 
-def _prepared_samples(src: Path, out: Path):
+def _prepared_samples(src: Path, out: Path, base_name: str):
     """from_prepared: another prepared dataset's samples without its cached states, and its
     stats (what it was made from), noting where they came from."""
     from datasets import DatasetDict, load_from_disk
@@ -693,6 +693,12 @@ def _prepared_samples(src: Path, out: Path):
         {k: ds.remove_columns([c for c in ("hidden", AUX) if c in ds.column_names])
          for k, ds in dd.items()}
     )  # fmt: skip
+    if stats.get("base") != base_name:  # its tokens are another base's: caching would mix them
+        raise PrepError(
+            f"from_prepared={src} was prepared for base={stats.get('base')}, not {base_name}: "
+            f"pass base={stats.get('base')} (the states must come from the model whose tokens "
+            "these are)"
+        )
     stats["from_prepared"] = str(src.resolve())
     return dd, stats
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from train.decoding.backend import head_features, wants_layers
 from train.decoding.recurrent import unroll
 from train.decoding.tree import Tree, TreeError, expected_length, grow
 from train.heads import HeadSet
@@ -54,6 +55,9 @@ def calibrate(
     is measured on every assistant position instead, path condition dropped, and says so.
     """
     K = heads.draft_depth  # a recurrent head set: the depths its one layer drafts
+    # what the heads read: the offset's layer (as recorded), or EAGLE-3's fused layers
+    features = heads.features if isinstance(heads.features, tuple) else hidden_state_offset
+    layers = wants_layers(features)
     # [conditioned on the path being greedy, unconditioned]
     hits = torch.zeros(2, K, topk, dtype=torch.long)
     totals = torch.zeros(2, K, dtype=torch.long)
@@ -68,13 +72,10 @@ def calibrate(
         if T < 3:
             continue
         n_rows += 1
-        out = model.model(
-            input_ids=ids[None], use_cache=False, output_hidden_states=hidden_state_offset > 0
-        )
+        out = model.model(input_ids=ids[None], use_cache=False, output_hidden_states=layers)
         final = out.last_hidden_state[0]  # (T, H)
-        ctx_in = (
-            final if hidden_state_offset == 0 else out.hidden_states[-1 - hidden_state_offset][0]
-        ).to(dtype)  # the heads' own dtype: the decoder's heads run in the base's
+        # the heads' own dtype: the decoder's heads run in the base's
+        ctx_in = head_features(out, features)[0].to(dtype)
         argmax = torch.cat([model.lm_head(c).argmax(-1) for c in final.split(chunk)])  # (T,)
         match = ids[1:] == argmax[:-1]  # (T-1,): x_{t+1} is the base's greedy token after t
         if heads.recurrent:  # drafted along the data on its own states, as decoding drafts

@@ -117,8 +117,8 @@ def check_aux_layers(path: str | Path, layers: tuple[int, ...]) -> None:
         raise PreparedDataError(
             f"data.offline=true with head=eagle3 needs the base's layers {list(layers)} cached, "
             f"but data.prepared={p} holds {have}; cache them from its samples with `hydra-heads "
-            f"prep from_prepared={p} cache_hidden=true 'cache_aux_layers={list(layers)}' "
-            "out=NEW_DIR`, or set data.offline=false"
+            f"prep from_prepared={p} base={stats.get('base')} cache_hidden=true "
+            f"'cache_aux_layers={list(layers)}' out=NEW_DIR`, or set data.offline=false"
         )
 
 
@@ -272,10 +272,10 @@ def collate(cols: dict[str, Any], pad_id: int, max_length: int | None) -> dict:
 class _Batches(torch.utils.data.Dataset):
     """A datasets.Dataset read one whole batch of indices at a time (one Arrow take per batch)."""
 
-    def __init__(self, ds, pad_id: int, max_length: int | None, with_hidden: bool = False):
+    def __init__(self, ds, pad_id: int, max_length: int | None, with_hidden: bool | str = False):
         cols = ["input_ids", "loss_mask", "seq_lens"]
-        if with_hidden:  # every cached state the dataset has
-            cols += [c for c in STATE_COLUMNS if c in ds.column_names]
+        if with_hidden:  # the last hidden state, and EAGLE-3's fused layers when they are read
+            cols += ["hidden"] + (["aux_hidden"] if with_hidden == "aux" else [])
         self.ds = ds.with_format("numpy", columns=cols)
         self.pad_id, self.max_length = pad_id, max_length
 
@@ -299,9 +299,13 @@ def train_subset(ds, n: int | None, seed: int):
 class PreparedDataModule(pl.LightningDataModule):
     """Serves `prep` output to Lightning: length-bucketed, padded, deterministic, resumable."""
 
-    def __init__(self, cfg: TrainDataConfig, pad_id: int, seed: int, vocab_size: int):
+    def __init__(
+        self, cfg: TrainDataConfig, pad_id: int, seed: int, vocab_size: int, aux: bool = False
+    ):
+        """`aux`: offline batches carry the cached fused layers too (head=eagle3)."""
         super().__init__()
         self.cfg = cfg
+        self.aux = aux
         self.pad_id = pad_id
         self.seed = seed
         self.vocab_size = vocab_size
@@ -314,7 +318,12 @@ class PreparedDataModule(pl.LightningDataModule):
     def _loader(self, ds, batch_sampler) -> DataLoader:
         # The sampler yields whole batches of indices; batch_size=None hands each to _Batches.
         return DataLoader(
-            _Batches(ds, self.pad_id, self.cfg.max_length, with_hidden=self.cfg.offline),
+            _Batches(
+                ds,
+                self.pad_id,
+                self.cfg.max_length,
+                with_hidden=self.cfg.offline and ("aux" if self.aux else True),
+            ),  # fmt: skip
             sampler=batch_sampler,
             batch_size=None,
             generator=torch.Generator().manual_seed(self.seed),  # leave the global RNG alone

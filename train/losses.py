@@ -140,12 +140,19 @@ class _FusedHeadsLoss(torch.autograd.Function):
         w32 = [h[1].float() for h in heads]
         b32 = [None if h[2] is None else h[2].float() for h in heads]
         grads = []
-        for k, (state, _, bias, _, _) in enumerate(heads):
+        # One output projection shared by several heads (EAGLE-3's unrolled steps) accumulates
+        # into one gradient buffer, returned once (for its first head): one V x H buffer, not K.
+        shared_gw: dict[int, torch.Tensor] = {}
+        owns_w = [False] * K
+        for k, (state, weight, bias, _, _) in enumerate(heads):
             if not need[k]:
                 grads.append(None)
                 continue
             gb = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
-            gw = torch.zeros_like(w32[k]) if need_w[k] else None
+            gw = None
+            if need_w[k]:
+                owns_w[k] = id(weight) not in shared_gw
+                gw = shared_gw.setdefault(id(weight), torch.zeros_like(w32[k]))
             grads.append([torch.zeros_like(state, dtype=torch.float32), gw, gb])
         ce_sum = torch.zeros(K, dtype=torch.float32, device=dev)
         kl_sum = torch.zeros(K, dtype=torch.float32, device=dev)
@@ -241,6 +248,7 @@ class _FusedHeadsLoss(torch.autograd.Function):
                 layout.append(None)
                 continue
             gs, gw, gb = grads[k]
+            gw = gw if owns_w[k] else None  # a shared projection's gradient goes back once
             layout.append((len(saved), gb is not None, gw is not None))
             saved += [gs.to(state.dtype), gs.new_zeros(0) if gw is None else gw.to(weight.dtype)]
             if gb is not None:

@@ -181,7 +181,8 @@ def build_module(
         teacher_softcap=getattr(base.config, "final_logit_softcapping", None),
     )
     pad = base.tokenizer.pad_token_id
-    dm = PreparedDataModule(cfg.data, 0 if pad is None else pad, cfg.seed, base.vocab_size)
+    aux = isinstance(heads.features, tuple)  # EAGLE-3's fused layers
+    dm = PreparedDataModule(cfg.data, 0 if pad is None else pad, cfg.seed, base.vocab_size, aux)
     dm.dd = dd
     return module, dm, meta, base
 

@@ -168,11 +168,13 @@ def section_verify(backends: Backends, args, console: Console) -> None:
 
 
 def trees_to_try(heads, calib) -> dict[str, Tree | DynamicTree]:
-    trees: dict[str, Tree | DynamicTree] = {"chain": Tree.from_paths(chain(heads.num_heads))}
+    # a recurrent head set drafts any depth (depth_limit None); its chain: draft_depth levels
+    limit = heads.depth_limit
+    trees: dict[str, Tree | DynamicTree] = {"chain": Tree.from_paths(chain(heads.draft_depth))}
     for name in ("sparse_7", "sparse_15", "mc_sim_7b_63"):
-        trees[name] = Tree.from_paths(PRESETS[name], heads.num_heads)
+        trees[name] = Tree.from_paths(PRESETS[name], limit)
     for n in (4, 8, 16, 32):
-        trees[f"calibrated_{n}"] = Tree.from_paths(grow(calib.acc, n), heads.num_heads)
+        trees[f"calibrated_{n}"] = Tree.from_paths(grow(calib.acc, n), limit)
     for n in (8, 16, 32):
         trees[f"dynamic_{n}"] = DynamicTree(budget=n, expand=4, width=4)
     return trees
@@ -317,7 +319,7 @@ def main() -> None:
                           prompts[0], args.reps, console)  # fmt: skip
     if 3 in sections:
         fixed = Tree.from_paths(PRESETS[args.tree] if args.tree in PRESETS
-                                else chain(heads.num_heads), heads.num_heads)  # fmt: skip
+                                else chain(heads.draft_depth), heads.depth_limit)  # fmt: skip
         section_features(backends, fixed, prompts, args, console)
 
 

@@ -33,6 +33,10 @@ def test_config_names_what_eagle3_allows():
             head_config("eagle3", **{key: value})
     with pytest.raises(ConfigError, match="only eagle3 fuses layers"):
         head_config("hydra", aux_layers=[1, 2, 3])
+    with pytest.raises(ConfigError, match="increasing layer indices"):
+        head_config("eagle3", aux_layers=[27, 2, 15])  # the engines feed fc in layer order
+    with pytest.raises(ConfigError, match="eagle3 reads aux_layers"):
+        head_config("eagle3", hidden_state_offset=1)
 
 
 def test_a_fresh_eagle3_draft_is_the_lm_head_on_its_high_layer(tiny_base):
@@ -72,11 +76,16 @@ def test_offline_eagle3_reads_its_layers_cached_by_prep(tiny_prepared, tmp_path)
     """Prepared data without the fused layers is refused with the command that adds them;
     `prep from_prepared=... cache_aux_layers=[...]` keeps the samples and caches the layers;
     offline training on them computes online training's loss (up to fp16 rounding)."""
-    from data_prep.prepare import prepare
+    from data_prep.prepare import PrepError, prepare
     from tests.helpers import prep_config
     from train.data import PreparedDataError
     from train.recipe import build_module
 
+    with pytest.raises(PrepError, match="prepared for base=tiny_random, not smollm2_135m"):
+        prepare(prep_config([
+            "base=smollm2_135m", f"from_prepared={tiny_prepared}", "cache_hidden=true",
+            f"out={tmp_path / 'other'}",
+        ]))  # fmt: skip
     with pytest.raises(PreparedDataError, match="from_prepared=.*cache_aux_layers") as e:
         build_module(_train_cfg(tiny_prepared, tmp_path, "data.offline=true"))
     assert "holds none" in str(e.value)
@@ -100,7 +109,7 @@ def test_offline_eagle3_reads_its_layers_cached_by_prep(tiny_prepared, tmp_path)
     loss_off, _ = offline.compute(b_off)
     assert torch.allclose(loss_on, loss_off, rtol=2e-3, atol=1e-4)
     with pytest.raises(PreparedDataError, match=r"holds \[1, 1, 0\]"):
-        build_module(_train_cfg(out, tmp_path, "data.offline=true", "head.aux_layers=[0,1,1]"))
+        build_module(_train_cfg(out, tmp_path, "data.offline=true", "head.aux_layers=[0,1]"))
 
 
 def _llama(layers: int) -> LlamaForCausalLM:
@@ -355,3 +364,21 @@ def test_only_eagle3_heads_export_as_eagle3_and_a_normed_residual_is_refused(tmp
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(FormatError, match="norm_before_residual"):
         import_heads(tmp_path / "s", "speculators", tiny, tmp_path / "back")
+    cfg.update(norm_before_residual=False, norm_output=True)  # feeds the normed state back
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(FormatError, match="norm_output is true"):
+        import_heads(tmp_path / "s", "speculators", tiny, tmp_path / "back")
+    # SafeAILab's trainer saves pytorch_model.bin: read when model.safetensors is absent
+    export_heads(e3dir, "eagle3", tmp_path / "o")
+    from safetensors.torch import load_file
+
+    weights = tmp_path / "o" / "model.safetensors"
+    torch.save(load_file(str(weights)), tmp_path / "o" / "pytorch_model.bin")
+    weights.unlink()
+    import_heads(tmp_path / "o", "eagle3", tiny, tmp_path / "o_back")
+    two = random_one_layer_heads(tiny_base, "eagle3", num_heads=1, aux_layers=[0, 1])
+    two_dir = save_heads(
+        tmp_path / "two", two, heads_meta(two, tiny_base.fingerprint(), tiny.to_dict())
+    )
+    with pytest.raises(FormatError, match="the engines fuse exactly three"):
+        export_heads(two_dir, "eagle3", tmp_path / "t")

@@ -132,6 +132,32 @@ def test_shared_teacher_equals_per_head_teacher(lm, kl, T, chunk):
         assert h.n == len(rows[k])
 
 
+@pytest.mark.parametrize("chunk", [4, 1000])
+def test_one_projection_shared_by_several_heads_gets_their_summed_gradient(chunk):
+    """EAGLE-3's unrolled steps share one lm head: passed once per head, its gradient is the sum
+    over the heads (accumulated in one buffer and returned once), as autograd gives it."""
+    torch.manual_seed(4)
+    K, M, H, V = 3, 17, 8, 25
+    teacher, tw = torch.randn(M, H), torch.randn(V, H)
+    w = torch.randn(V, H, requires_grad=True)
+    rows = [torch.arange(M)[k:] for k in range(K)]
+    states = [torch.randn(len(r), H, requires_grad=True) for r in rows]
+    targets = [torch.randint(-1, V, (len(r),)) for r in rows]
+    hw = [1.0, 0.8, 0.64]
+    ref = sum(
+        naive_head_losses(
+            [states[k]], [w], [targets[k]], [teacher[rows[k]]], tw, 0.0, 1.0, 1.0, [hw[k]]
+        )  # fmt: skip
+        for k in range(K)
+    )
+    g_ref = torch.autograd.grad(ref, [*states, w])
+    heads = [HeadInput(states[k], w, None, rows[k], targets[k], hw[k]) for k in range(K)]
+    total, _ = fused_heads_loss(heads, teacher, tw, None, 0.0, 1.0, 1.0, chunk)
+    assert torch.allclose(total, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(total, [*states, w]), g_ref, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 KINDS = [{"kl": 1.0}, {"reverse_kl": 1.0}, {"jsd": 1.0}, {"tv": 1.0}, {"lk": 1.0},
          {"kl": 0.5, "lk": 0.3, "tv": 0.2}]  # fmt: skip
 

@@ -104,6 +104,8 @@ def read_json(path: Path) -> dict:
 
 def load_state(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a `.safetensors` file, or of a `torch.save`d plain state dict."""
+    if not path.is_file():
+        raise NotFound(f"{path} not found: is this the right src= and format=?")
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file

@@ -23,12 +23,12 @@ engines share the base's, as ours does.
 `config.json` (eagle3): a one-layer Llama config with the base's attention shape,
 `architectures` = [LlamaForCausalLMEagle3], `draft_vocab_size`, `target_hidden_size`. The fused
 layers are written only when they differ from EAGLE-3's default (2, N // 2, N - 3), as
-`eagle_config.eagle_aux_hidden_state_layer_ids` in vLLM's meaning (the input of layer i, our
-`head.aux_layers`); SGLang reads that field one layer later, so a draft with other layers runs as
-trained in vLLM only (a note says so). (speculators): `speculators_model_type` = eagle3,
-`transformer_layer_config`, `draft_vocab_size`, `norm_before_residual` = false (EAGLE-3's
-residual; vLLM assumes true when the key is missing), `target_hidden_size`,
-`speculators_config` naming the verifier.
+`eagle_aux_hidden_state_layer_ids` (top level and in `eagle_config`) in vLLM's meaning (the
+input of layer i, our `head.aux_layers`); SGLang reads that field one layer later, so a draft
+with other layers runs as trained in vLLM only (a note says so). (speculators):
+`speculators_model_type` = eagle3, `transformer_layer_config`, `draft_vocab_size`,
+`norm_before_residual` = false (EAGLE-3's residual; vLLM assumes true when the key is missing),
+`target_hidden_size`, `speculators_config` naming the verifier.
 """
 
 from __future__ import annotations
@@ -110,6 +110,12 @@ def files(heads: HeadSet, base_id: str, layout: str, notes: list[str]) -> dict[s
             "and only head=eagle3 computes that. Export format=hf, format=hydra (Hydra's heads) "
             "or format=medusa"
         )
+    if len(heads.aux_layers) != 3:
+        raise FormatError(
+            f"eagle3 heads fusing {len(heads.aux_layers)} layers ({list(heads.aux_layers)}) cannot "
+            f"be exported as format={layout}: the engines fuse exactly three (fc: 3H -> H). "
+            "Train with three head.aux_layers (default: 2, N/2, N-3), or export format=hf"
+        )
     sd = heads.state_dict()
     state = {t: sd[o] for o, t in _names(layout)}
     state["d2t"], state["t2d"] = vocab_maps(heads)
@@ -126,7 +132,8 @@ def files(heads: HeadSet, base_id: str, layout: str, notes: list[str]) -> dict[s
             "target_hidden_size": heads.hidden_size,
             "base_model_name_or_path": base_id,
         }
-        if aux is not None:
+        if aux is not None:  # vLLM reads it at the top level or in eagle_config
+            config["eagle_aux_hidden_state_layer_ids"] = aux
             config["eagle_config"] = {
                 "eagle_aux_hidden_state_layer_ids": aux,
                 "use_aux_hidden_state": True,
@@ -179,14 +186,23 @@ def read(src: Path) -> Parsed:
             "that draft adds its attention to the normalised feature, EAGLE-3's own (and ours) "
             "to the raw one, so ours cannot compute it"
         )
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):  # speculators' variants
+        if cfg.get(key):
+            raise FormatError(
+                f"{cfg_path}: {key} is true: that draft normalises where EAGLE-3 (and ours) "
+                "does not, so ours cannot compute it"
+            )
     layout = "speculators" if speculators else "eagle3"
     llama = cfg.get("transformer_layer_config", {}) if speculators else cfg
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    take = Take(src / WEIGHTS, strip="model.")
+    weights = src / WEIGHTS
+    if not weights.is_file() and (src / "pytorch_model.bin").is_file():
+        weights = src / "pytorch_model.bin"  # what SafeAILab's traineagle3 saves
+    take = Take(weights, strip="model.")
     if take("layers.0.fc.weight", optional=True) is not None:  # never written so; say it
-        raise FormatError(f"{src / WEIGHTS}: fc inside layers.0 is not an EAGLE-3 layout")
+        raise FormatError(f"{weights}: fc inside layers.0 is not an EAGLE-3 layout")
     ours = {o: take(t) for o, t in _names(layout)}
     d2t = take("d2t", optional=True)
     take.done(ignore=("t2d", "embed_tokens.weight"), ignore_suffix="rotary_emb.inv_freq")

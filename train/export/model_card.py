@@ -93,7 +93,9 @@ def model_card(heads: HeadSet, meta: dict, base_id: str, res: dict | None) -> st
     fp = meta.get("base") or {}
     rows = [
         ("architecture", f"`{heads.arch}`: {desc}"),
-        ("heads x residual blocks", f"{heads.num_heads} x {heads.cfg.num_layers}"),
+        ("training-time test steps", str(heads.num_heads))  # EAGLE-3's unrolled steps
+        if heads.unrolled
+        else ("heads x residual blocks", f"{heads.num_heads} x {heads.cfg.num_layers}"),
         ("hidden size / vocab", f"{heads.hidden_size} / {heads.vocab_size}"),
         ("draft vocab", f"{draft} most frequent training tokens" if draft else "full vocab"),
         ("base hidden state", _features(heads, offset)),

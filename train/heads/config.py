@@ -98,6 +98,8 @@ class HeadConfig(ConfigModel):
                     fail(key, getattr(self, key), f"{want} ({why})")
             if self.bias:
                 fail("bias", True, f"false ({self.name}'s lm head has no bias)")
+        if self.name == "eagle3" and self.hidden_state_offset:
+            fail("hidden_state_offset", self.hidden_state_offset, "0 (eagle3 reads aux_layers)")
         if self.aux_layers is not None:
             if self.name != "eagle3":
                 fail(
@@ -105,8 +107,8 @@ class HeadConfig(ConfigModel):
                     self.aux_layers,
                     f"null (only eagle3 fuses layers, not {self.name})",
                 )
-            if not self.aux_layers:
-                fail("aux_layers", self.aux_layers, "layer indices, e.g. [2, 15, 27], or null")
-            if self.hidden_state_offset:
-                fail("hidden_state_offset", self.hidden_state_offset, "0 (eagle3 reads aux_layers)")
+            layers = self.aux_layers
+            if not layers or any(b <= a for a, b in zip(layers, layers[1:], strict=False)):
+                # the engines capture the layers in increasing order, and fc's blocks with them
+                fail("aux_layers", layers, "increasing layer indices, e.g. [2, 15, 27], or null")
         return self

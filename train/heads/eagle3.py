@@ -44,8 +44,8 @@ from train.heads.headset import RecurrentHeadSet
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's fused layers of an N-layer base, (2, N // 2, N - 3), kept inside 0..N-1 for
-    bases of under 5 layers (test models)."""
+    """EAGLE-3's fused layers of an N-layer base, (2, N // 2, N - 3); for bases of under 7
+    layers (test models) those indices clamped into 0..N-1, which may repeat."""
     N = num_layers
     return (min(2, N - 1), N // 2, max(N - 3, 0))
 
@@ -81,12 +81,20 @@ class Eagle3Attention(nn.Module):
         if cache is not None:
             k, v = cache.layers[0].update(k, v)
         T, S = q.shape[2], k.shape[2]
-        if mask is None and T > 1:  # query i sees the keys up to S - T + i
+        causal = mask is None and T > 1 and T == S  # no cache: the kernel's own causal mask
+        if mask is None and T > 1 and S > T:  # query i sees the keys up to S - T + i
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
         if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
+        gqa = self.heads != self.kv_heads
+        if gqa and mask is not None and q.is_cuda:
+            # CUDA's memory-efficient kernel takes a mask but not grouped heads: expand them
+            # (else the math kernel keeps every step's full score matrix)
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            gqa = False
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
         )
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], T, -1))
 
@@ -206,7 +214,9 @@ class Eagle3Heads(RecurrentHeadSet):
         return self.layer(emb.to(parent.dtype), parent, self._rope(parent, positions), cache, mask)
 
     def logits(self, k: int, state: torch.Tensor) -> torch.Tensor:
-        """The draft-vocab logits of an output state (its final norm, then the lm head)."""
+        """The draft-vocab logits of a drafting state (what `context` and `step` return, the
+        pre-norm output): its final norm, then the lm head. (`forward` returns the normalised
+        states, what the fused loss's output projection reads.)"""
         return self.lm_heads[0](self.norm(state))
 
     def forward(

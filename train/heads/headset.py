@@ -224,11 +224,12 @@ class RecurrentHeadSet(HeadSet):
         """HeadSet's arguments; then `build` makes the layer from the base's attention shape."""
         one = cfg.num_heads == 1 or self.unrolled
         if not one or cfg.num_layers != 1 or cfg.dropout or cfg.bias:
+            heads = "" if self.unrolled else "head.num_heads=1, "
             raise ValueError(
-                f"head={cfg.name} is one layer drafting recurrently, with no dropout, scored by "
-                "the base's own lm_head: set head.num_heads=1, head.num_layers=1, "
-                f"head.dropout=0 and head.bias=false (got {cfg.num_heads}, {cfg.num_layers}, "
-                f"{cfg.dropout}, {cfg.bias}); the tree's depth sets how far it drafts"
+                f"head={cfg.name} is one layer drafting recurrently, with no dropout and no lm "
+                f"head bias: set {heads}head.num_layers=1, head.dropout=0 and head.bias=false "
+                f"(got {cfg.num_heads}, {cfg.num_layers}, {cfg.dropout}, {cfg.bias}); the tree's "
+                "depth sets how far it drafts"
             )
         super().__init__(cfg, *args, **kwargs)
         self.mlps = nn.ModuleList()  # no residual blocks: the layer is the head
