@@ -4,6 +4,7 @@ the config of the heads' own decoder layers."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 
@@ -140,3 +141,50 @@ def run_decoder_layer(layer: nn.Module, rotary: nn.Module, x, positions, cache, 
         use_cache=cache is not None,
         position_embeddings=rotary(x, pos),
     )
+
+
+class DraftAttention(nn.Module):
+    """Llama-shaped attention of the one-layer drafts (cross-attn, EAGLE-3): q from a `q_dim`
+    input, k and v from a `kv_dim` one, no biases, grouped KV heads as the base's."""
+
+    def __init__(self, config, q_dim: int, kv_dim: int):
+        super().__init__()
+        H, hd = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            hd,
+        )
+        self.q_proj = nn.Linear(q_dim, self.heads * hd, bias=False)
+        self.k_proj = nn.Linear(kv_dim, self.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(kv_dim, self.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.heads * hd, H, bias=False)
+
+    def split(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, n, self.head_dim).transpose(1, 2)  # (B, n, T, hd)
+
+    def attend(self, q, k, v, cache, mask) -> torch.Tensor:
+        """Rotated q (B, heads, T, hd) over k, v (B, kv_heads, T', hd), appended to `cache`
+        (any object whose `layers[0].update(k, v)` returns every key and value so far) when
+        given; mask: additive or boolean (B, 1, T, all keys), or None for causal attention
+        whose last query sees every key. Returns the output projection (B, T, H)."""
+        if cache is not None:
+            k, v = cache.layers[0].update(k, v)
+        T, S = q.shape[2], k.shape[2]
+        causal = mask is None and T > 1 and T == S  # no cache: the kernel's own causal mask
+        if mask is None and T > 1 and S > T:  # query i sees the keys up to S - T + i
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
+        if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+        gqa = self.heads != self.kv_heads
+        if gqa and mask is not None and q.is_cuda:
+            # CUDA's memory-efficient kernel takes a mask but not grouped heads: expand them
+            # (else the math kernel keeps every unrolled step's full score matrix)
+            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            gqa = False
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], T, -1))

@@ -31,7 +31,6 @@ State-dict names are ours (`fc`, `layer.*`, `norm`, `lm_heads.0`, `draft.to_full
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -40,6 +39,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from train.heads.blocks import DraftAttention
 from train.heads.headset import RecurrentHeadSet
 
 
@@ -50,53 +50,19 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     return (min(2, N - 1), N // 2, max(N - 3, 0))
 
 
-class Eagle3Attention(nn.Module):
+class Eagle3Attention(DraftAttention):
     """Llama self-attention whose q, k and v read a 2H input (no biases)."""
 
     def __init__(self, config):
-        super().__init__()
-        H, hd = config.hidden_size, config.head_dim
-        self.heads, self.kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            hd,
-        )
-        self.q_proj = nn.Linear(2 * H, self.heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.heads * hd, H, bias=False)
-
-    def _split(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        B, T, _ = x.shape
-        return x.view(B, T, n, self.head_dim).transpose(1, 2)  # (B, n, T, hd)
+        super().__init__(config, 2 * config.hidden_size, 2 * config.hidden_size)
 
     def forward(self, x, rope, cache, mask) -> torch.Tensor:
-        """x (B, T, 2H) at RoPE `rope`; keys and values appended to `cache` (any object whose
-        `layers[0].update(k, v)` returns every key and value so far); mask: additive or
-        boolean (B, 1, T, all keys), or None for causal attention ending at the last key."""
-        q = self._split(self.q_proj(x), self.heads)
-        k = self._split(self.k_proj(x), self.kv_heads)
+        """x (B, T, 2H) at RoPE `rope`; keys and values appended to `cache`; mask as
+        `DraftAttention.attend`'s."""
+        q = self.split(self.q_proj(x), self.heads)
+        k = self.split(self.k_proj(x), self.kv_heads)
         q, k = apply_rotary_pos_emb(q, k, *rope)
-        v = self._split(self.v_proj(x), self.kv_heads)
-        if cache is not None:
-            k, v = cache.layers[0].update(k, v)
-        T, S = q.shape[2], k.shape[2]
-        causal = mask is None and T > 1 and T == S  # no cache: the kernel's own causal mask
-        if mask is None and T > 1 and S > T:  # query i sees the keys up to S - T + i
-            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
-        if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
-            mask = mask.to(q.dtype)
-        gqa = self.heads != self.kv_heads
-        if gqa and mask is not None and q.is_cuda:
-            # CUDA's memory-efficient kernel takes a mask but not grouped heads: expand them
-            # (else the math kernel keeps every step's full score matrix)
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            gqa = False
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], T, -1))
+        return self.attend(q, k, self.split(self.v_proj(x), self.kv_heads), cache, mask)
 
 
 class Eagle3Layer(nn.Module):

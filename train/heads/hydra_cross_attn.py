@@ -24,7 +24,6 @@ frozen); the base embedding table is not part of the heads.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -33,51 +32,25 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from train.heads.blocks import DraftAttention
 from train.heads.headset import RecurrentHeadSet
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(DraftAttention):
     """Llama attention whose queries and keys come from different inputs (no biases)."""
 
     def __init__(self, config):
-        super().__init__()
-        H, hd = config.hidden_size, config.head_dim
-        self.heads, self.kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            hd,
-        )
-        self.q_proj = nn.Linear(H, self.heads * hd, bias=False)
-        self.k_proj = nn.Linear(H, self.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(H, self.kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.heads * hd, H, bias=False)
-
-    def _split(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        B, T, _ = x.shape
-        return x.view(B, T, n, self.head_dim).transpose(1, 2)  # (B, n, T, hd)
+        super().__init__(config, config.hidden_size, config.hidden_size)
 
     def forward(self, q_in, kv_in, q_rope, kv_rope, cache, mask) -> torch.Tensor:
         """q_in (B, Tq, H) normalised queries; kv_in (B, Tk, H) normalised key/value inputs,
         appended to `cache` (their rotated keys) when given; mask: additive (B, 1, Tq, all
         keys), or None for causal attention whose last query sees every key."""
-        q = self._split(self.q_proj(q_in), self.heads)
+        q = self.split(self.q_proj(q_in), self.heads)
         q = apply_rotary_pos_emb(q, q, *q_rope)[0]  # queries and keys at their own positions
-        k = self._split(self.k_proj(kv_in), self.kv_heads)
+        k = self.split(self.k_proj(kv_in), self.kv_heads)
         k = apply_rotary_pos_emb(k, k, *kv_rope)[0]
-        v = self._split(self.v_proj(kv_in), self.kv_heads)
-        if cache is not None:
-            k, v = cache.layers[0].update(k, v)
-        Tq, S = q.shape[2], k.shape[2]
-        if mask is None and Tq > 1:  # query i sees the keys up to S - Tq + i
-            causal = torch.ones(Tq, S, dtype=torch.bool, device=q.device).tril(S - Tq)
-            mask = causal[None, None]
-        if mask is not None and mask.dtype != torch.bool and mask.dtype != q.dtype:
-            mask = mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
-        )
-        B = out.shape[0]
-        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, -1))
+        return self.attend(q, k, self.split(self.v_proj(kv_in), self.kv_heads), cache, mask)
 
 
 class CrossAttnHeads(RecurrentHeadSet):
