@@ -119,6 +119,12 @@ def layer_config(shape: dict) -> LlamaConfig:
     return config
 
 
+def positions_after(cache, T: int, device) -> torch.Tensor:
+    """(T,) positions of T new tokens after what `cache` holds (None: from 0)."""
+    past = cache.get_seq_length() if cache is not None else 0
+    return torch.arange(past, past + T, device=device)
+
+
 def run_decoder_layer(layer: nn.Module, rotary: nn.Module, x, positions, cache, mask):
     """A transformers Llama decoder `layer` over x (B, T, H) at `positions` ((T,), (B, T), or
     None: after what `cache` holds), appending to `cache` (any transformers Cache, or None).
@@ -128,7 +134,7 @@ def run_decoder_layer(layer: nn.Module, rotary: nn.Module, x, positions, cache, 
     B, T, _ = x.shape
     past = cache.get_seq_length() if cache is not None else 0
     if positions is None:
-        positions = torch.arange(past, past + T, device=x.device)
+        positions = positions_after(cache, T, x.device)
     pos = positions if positions.dim() == 2 else positions[None].expand(B, -1)
     if mask is None and past and T > 1:  # one query sees everything without a mask
         mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)

@@ -39,7 +39,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from train.heads.blocks import DraftAttention
+from train.heads.blocks import DraftAttention, positions_after
 from train.heads.headset import RecurrentHeadSet
 
 
@@ -149,11 +149,6 @@ class Eagle3Heads(RecurrentHeadSet):
     def features(self) -> tuple[int, ...]:
         return self.aux_layers
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T = x.shape[:2]
-        pos = positions if positions.dim() == 2 else positions[None].expand(B, T)
-        return self.rotary_emb(x, pos)
-
     def context(
         self,
         hidden: torch.Tensor,
@@ -168,8 +163,7 @@ class Eagle3Heads(RecurrentHeadSet):
         if next_emb is None:
             raise ValueError("eagle3 heads read the next token's embedding (next_emb)")
         if positions is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            positions = torch.arange(past, past + hidden.shape[1], device=hidden.device)
+            positions = positions_after(cache, hidden.shape[1], hidden.device)
         g = self.fc(hidden)
         return self.layer(next_emb.to(g.dtype), g, self._rope(g, positions), cache, mask)
 

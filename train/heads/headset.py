@@ -239,8 +239,15 @@ class RecurrentHeadSet(HeadSet):
         self.build(layer_config(shape))
 
     def build(self, config) -> None:
-        """Make the draft layer for a one-layer Llama `config` with the base's shape."""
+        """Make the draft layer for a one-layer Llama `config` with the base's shape (and its
+        `rotary_emb`)."""
         raise NotImplementedError
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's RoPE cos/sin at `positions` ((T,) or (B, T)) for x (B, T, ...)."""
+        B, T = x.shape[:2]
+        pos = positions if positions.dim() == 2 else positions[None].expand(B, T)
+        return self.rotary_emb(x, pos)
 
     def head_input(self, k: int, ctx: torch.Tensor, path: torch.Tensor | None) -> torch.Tensor:
         if k != 0:

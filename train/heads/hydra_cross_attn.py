@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from train.heads.blocks import DraftAttention
+from train.heads.blocks import DraftAttention, positions_after
 from train.heads.headset import RecurrentHeadSet
 
 
@@ -75,11 +75,6 @@ class CrossAttnHeads(RecurrentHeadSet):
             nn.init.zeros_(self.cross_attn.o_proj.weight)
             nn.init.zeros_(self.mlp.down_proj.weight)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T = x.shape[:2]
-        pos = positions if positions.dim() == 2 else positions[None].expand(B, T)
-        return self.rotary_emb(x, pos)
-
     def _block(self, query_emb, kv_hidden, q_pos, kv_pos, cache, mask) -> torch.Tensor:
         q_in = self.input_layernorm(query_emb)
         kv_in = self.input_layernorm(kv_hidden)  # one norm for both, as theirs
@@ -101,10 +96,8 @@ class CrossAttnHeads(RecurrentHeadSet):
         tokens after them (B, T, H, the queries) -> the output at each position."""
         if next_emb is None:
             raise ValueError("cross-attn heads query with the next token's embedding (next_emb)")
-        T = hidden.shape[1]
         if positions is None:
-            past = cache.get_seq_length() if cache is not None else 0
-            positions = torch.arange(past, past + T, device=hidden.device)
+            positions = positions_after(cache, hidden.shape[1], hidden.device)
         return self._block(next_emb.to(hidden.dtype), hidden, positions, positions, cache, mask)
 
     def step(self, emb, parent, cache, positions, mask, anchor=None) -> torch.Tensor:
