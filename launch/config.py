@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from evaluation.config import SORT_KEYS
-from launch.grid import parse_grid
+from launch.grid import override_value, parse_grid
 from train.config import TrainConfig
 from train.core.base import BaseConfig
 from train.core.config import ConfigModel, NonNegative, Positive, check, fail
@@ -134,32 +134,47 @@ class SweepSpec(ConfigModel):
     grid: Grid  # train overrides, crossed
     eval_grid: Grid  # eval overrides, crossed
     train: list[str]  # shared by every train point
+    # More train overrides for the points that hold one grid value, after the grid's own, keyed
+    # by grid key then value: {"head": {"eagle3": ["head.num_heads=3", "trainer.max_steps=560"]}}
+    # (e.g. each architecture's step count at equal training time). Not in the points' names.
+    extra: dict[str, dict[Any, list[str]]] = Field(default_factory=dict)
     eval: list[str]  # shared by every eval point
     sort_by: Literal[SORT_KEYS]  # type: ignore[valid-type]
     search: SearchSpec | None = None  # null: the grid
 
     @model_validator(mode="after")
     def _rules(self) -> SweepSpec:
-        if self.search is not None and (self.grid or self.eval_grid):
+        if self.search is not None and (self.grid or self.eval_grid or self.extra):
             fail(
                 "grid",
-                self.grid or self.eval_grid,
-                "a search draws its own points from search.space: leave grid and eval_grid "
-                "empty ({})",
+                self.grid or self.eval_grid or self.extra,
+                "a search draws its own points from search.space: leave grid, eval_grid and "
+                "extra empty ({})",
             )
         if self.search is None and not self.grid and not self.eval_grid:
             fail("grid", self.grid, "at least one key with a list of values")
         for o in [*self.train, *self.eval]:
             if "=" not in o:
                 fail("train / eval", o, "overrides of the form key=value")
-        for o in self.train:
+        extras = [o for by_value in self.extra.values() for os_ in by_value.values() for o in os_]
+        for o in [*self.train, *extras]:
             if o.split("=", 1)[0].lstrip("+~") in ("out", "resume"):
                 fail("train", o, "no out= or resume= (the sweep sets them per point)")
+        for key, by_value in self.extra.items():
+            if key not in self.grid:
+                fail("extra", key, f"a key of the grid, one of {sorted(self.grid)}")
+            values = [override_value(v) for v in self.grid[key]]
+            for value, overrides in by_value.items():
+                if override_value(value) not in values:
+                    fail(f"extra.{key}", value, f"one of the grid's values {values}")
+                for o in overrides:
+                    if "=" not in o:
+                        fail(f"extra.{key}.{value}", o, "overrides of the form key=value")
         return self
 
 
 # What makes a sweep the same sweep on resume (sort_by may change freely).
-IDENTITY = ("grid", "eval_grid", "train", "eval", "search")
+IDENTITY = ("grid", "eval_grid", "train", "extra", "eval", "search")
 
 
 class SweepConfig(ConfigModel):
@@ -221,6 +236,17 @@ class SweepConfig(ConfigModel):
             spec["grid"] = parse_grid("grid", self.grid)
         if self.eval_grid is not None:
             spec["eval_grid"] = parse_grid("eval_grid", self.eval_grid)
+        # a grid replaced on the command line keeps the extras of the values it still holds
+        grid = spec["grid"]
+        spec["extra"] = {
+            key: {
+                value: o
+                for value, o in by_value.items()
+                if override_value(value) in {override_value(v) for v in grid[key]}
+            }
+            for key, by_value in spec["extra"].items()
+            if key in grid
+        }
         self.sweep = SweepSpec(**spec)
         return self
 

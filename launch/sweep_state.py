@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import IDENTITY, SweepSpec
-from launch.grid import grid_points, unique_slugs
+from launch.grid import grid_points, override_value, unique_slugs
 from train.core.atomic import write_json
 from train.core.errors import ConfigError, UserError
 
@@ -24,7 +24,7 @@ def plan_points(spec: SweepSpec) -> list[dict[str, Any]]:
         {
             "name": tname if not ev else f"{tname}__{ename}",
             "train_point": tname,
-            "train_overrides": tr,
+            "train_overrides": [*tr, *_extra(spec, tr)],
             "eval_overrides": ev,
             "dir": f"points/{tname}/eval/{ename}",
             "status": "pending",
@@ -32,6 +32,17 @@ def plan_points(spec: SweepSpec) -> list[dict[str, Any]]:
         for tr, tname in zip(trains, unique_slugs(trains), strict=True)
         for ev, ename in zip(evals, unique_slugs(evals), strict=True)
     ]
+
+
+def _extra(spec: SweepSpec, overrides: list[str]) -> list[str]:
+    """`spec.extra`'s overrides for the grid values a train point holds, in the grid's order."""
+    out = []
+    for key, values in spec.grid.items():
+        by_value = {override_value(v): o for v, o in spec.extra.get(key, {}).items()}
+        for v in values:
+            if f"{key}={override_value(v)}" in overrides:
+                out.extend(by_value.get(override_value(v), []))
+    return out
 
 
 @contextmanager
@@ -96,6 +107,8 @@ def _identity(spec: dict, key: str) -> Any:
     value = spec.get(key)
     if key == "search" and value:
         value = {k: v for k, v in value.items() if k != "trials"}
+    if key == "extra":  # sweeps from before `extra` have none
+        value = value or {}
     return value
 
 
