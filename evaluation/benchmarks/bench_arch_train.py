@@ -27,10 +27,8 @@ steps each head gets in the time the reference needs for `--budget-steps` steps 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import time
-import warnings
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,6 +45,7 @@ from evaluation.benchmarks.bench_train import (  # noqa: E402
     StepTimer,
     busy_processes,
     load_average,
+    quiet_training,
 )
 from train.config import TrainConfig  # noqa: E402
 from train.core.config import compose  # noqa: E402
@@ -201,19 +200,7 @@ def main() -> None:
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     threads = torch.get_num_threads()
-    for name in ("lightning.pytorch", "lightning.fabric", "train"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    for pattern in (
-        ".*does not have many workers.*",
-        ".*max_steps=.* reached.*",
-        ".*`srun` command is available.*",
-        ".*isinstance\\(treespec, LeafSpec\\).*",
-    ):
-        warnings.filterwarnings("ignore", message=pattern)
-    warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")
-    import datasets
-
-    datasets.disable_progress_bars()
+    quiet_training()
     heads = [h.strip() for h in args.heads.split(",") if h.strip()]
     unknown = [h for h in heads if h not in HEADS]
     if unknown:

@@ -307,6 +307,23 @@ def check_same_work(runs: dict[str, list[Run]]) -> None:
 
 
 # -- main -----------------------------------------------------------------------------------
+def quiet_training() -> None:
+    """Lightning's and datasets' per-run chatter off: the timings are the output."""
+    for name in ("lightning.pytorch", "lightning.fabric", "train"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for pattern in (
+        ".*does not have many workers.*",
+        ".*max_steps=.* reached.*",
+        ".*module\\(s\\) in eval mode.*",  # the frozen base
+        ".*isinstance\\(treespec, LeafSpec\\).*",
+        ".*`srun` command is available.*",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)
+    import datasets
+
+    datasets.disable_progress_bars()
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per run")
@@ -341,15 +358,7 @@ def main() -> None:
     t_start = time.perf_counter()
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     n_threads = torch.get_num_threads()
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*max_steps=.* reached.*")
-    warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode.*")  # the frozen base
-    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
-    import datasets
-
-    datasets.disable_progress_bars()
+    quiet_training()
     load_before = load_average()
     console.print(f"load average before: {load_before}; busy: {busy_processes()}")
 
