@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from evaluation.config import SORT_KEYS
-from launch.grid import override_value, parse_grid
+from launch.grid import grid_value_key, held_extras, override_value, parse_grid
 from train.config import TrainConfig
 from train.core.base import BaseConfig
 from train.core.config import ConfigModel, NonNegative, Positive, check, fail
 from train.export import Format
+
+log = logging.getLogger(__name__)
 
 
 # -- launchers (`launcher=<option>`, told apart by `name`) -------------------------------------
@@ -144,33 +147,49 @@ class SweepSpec(ConfigModel):
 
     @model_validator(mode="after")
     def _rules(self) -> SweepSpec:
-        if self.search is not None and (self.grid or self.eval_grid or self.extra):
+        if self.search is not None and (self.grid or self.eval_grid):
             fail(
                 "grid",
-                self.grid or self.eval_grid or self.extra,
-                "a search draws its own points from search.space: leave grid, eval_grid and "
-                "extra empty ({})",
+                self.grid or self.eval_grid,
+                "a search draws its own points from search.space: leave grid and eval_grid "
+                "empty ({})",
             )
+        if self.search is not None and self.extra:
+            fail("extra", self.extra, "a search has no grid values to add overrides to: {}")
         if self.search is None and not self.grid and not self.eval_grid:
             fail("grid", self.grid, "at least one key with a list of values")
         for o in [*self.train, *self.eval]:
             if "=" not in o:
                 fail("train / eval", o, "overrides of the form key=value")
-        extras = [o for by_value in self.extra.values() for os_ in by_value.values() for o in os_]
-        for o in [*self.train, *extras]:
+        for o in self.train:
             if o.split("=", 1)[0].lstrip("+~") in ("out", "resume"):
                 fail("train", o, "no out= or resume= (the sweep sets them per point)")
+        self._check_extra()
+        return self
+
+    def _check_extra(self) -> None:
         for key, by_value in self.extra.items():
             if key not in self.grid:
                 fail("extra", key, f"a key of the grid, one of {sorted(self.grid)}")
             values = [override_value(v) for v in self.grid[key]]
+            held = {grid_value_key(v) for v in self.grid[key]}
             for value, overrides in by_value.items():
-                if override_value(value) not in values:
+                where = f"extra.{key}.{override_value(value)}"
+                if grid_value_key(value) not in held:
                     fail(f"extra.{key}", value, f"one of the grid's values {values}")
                 for o in overrides:
+                    name = o.split("=", 1)[0].lstrip("+~")
                     if "=" not in o:
-                        fail(f"extra.{key}.{value}", o, "overrides of the form key=value")
-        return self
+                        fail(where, o, "overrides of the form key=value")
+                    if name in ("out", "resume"):
+                        fail(where, o, "no out= or resume= (the sweep sets them per point)")
+                    if name in self.grid:
+                        fail(
+                            where,
+                            o,
+                            f"a key the grid does not set ({name} is a grid key: two points "
+                            "would differ in name only)",
+                        )
 
 
 # What makes a sweep the same sweep on resume (sort_by may change freely).
@@ -237,16 +256,12 @@ class SweepConfig(ConfigModel):
         if self.eval_grid is not None:
             spec["eval_grid"] = parse_grid("eval_grid", self.eval_grid)
         # a grid replaced on the command line keeps the extras of the values it still holds
-        grid = spec["grid"]
-        spec["extra"] = {
-            key: {
-                value: o
-                for value, o in by_value.items()
-                if override_value(value) in {override_value(v) for v in grid[key]}
-            }
-            for key, by_value in spec["extra"].items()
-            if key in grid
-        }
+        spec["extra"], dropped = held_extras(spec["extra"], spec["grid"])
+        if dropped:
+            log.warning(
+                "the command-line grid holds no %s: their sweep.extra overrides are not used",
+                ", ".join(dropped),
+            )
         self.sweep = SweepSpec(**spec)
         return self
 

@@ -71,6 +71,35 @@ def override_value(v: Any) -> str:
     return s
 
 
+def grid_value_key(v: Any) -> str:
+    """A grid value as matching compares it: `1e-3` (a command-line grid reads it as a string)
+    and 0.001 (a sweep file's float) are one value, as are 1 and 1.0."""
+    s = override_value(v)
+    if isinstance(v, bool) or v is None:
+        return s
+    try:
+        return repr(float(s))
+    except ValueError:
+        return s
+
+
+def held_extras(
+    extra: dict[str, dict[Any, list[str]]], grid: dict[str, list[Any]]
+) -> tuple[dict[str, dict[Any, list[str]]], list[str]]:
+    """`extra` (grid key -> value -> overrides) cut to the values `grid` holds, and the
+    `key=value` entries it lost."""
+    kept: dict[str, dict[Any, list[str]]] = {}
+    dropped = []
+    for key, by_value in extra.items():
+        held = {grid_value_key(v) for v in grid.get(key, [])}
+        for value, overrides in by_value.items():
+            if grid_value_key(value) in held:
+                kept.setdefault(key, {})[value] = overrides
+            else:
+                dropped.append(f"{key}={override_value(value)}")
+    return kept, dropped
+
+
 def _slug(overrides: list[str]) -> str:
     """A readable dir name: `head=hydra,head.num_layers=2` -> `head-hydra_head.num_layers-2`."""
     s = "_".join(o.replace("=", "-").replace(",", "-") for o in overrides) or "default"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import IDENTITY, SweepSpec
-from launch.grid import grid_points, override_value, unique_slugs
+from launch.grid import grid_points, grid_value_key, override_value, unique_slugs
 from train.core.atomic import write_json
 from train.core.errors import ConfigError, UserError
 
@@ -38,10 +38,10 @@ def _extra(spec: SweepSpec, overrides: list[str]) -> list[str]:
     """`spec.extra`'s overrides for the grid values a train point holds, in the grid's order."""
     out = []
     for key, values in spec.grid.items():
-        by_value = {override_value(v): o for v, o in spec.extra.get(key, {}).items()}
+        by_value = {grid_value_key(v): o for v, o in spec.extra.get(key, {}).items()}
         for v in values:
             if f"{key}={override_value(v)}" in overrides:
-                out.extend(by_value.get(override_value(v), []))
+                out.extend(by_value.get(grid_value_key(v), []))
     return out
 
 
@@ -107,8 +107,8 @@ def _identity(spec: dict, key: str) -> Any:
     value = spec.get(key)
     if key == "search" and value:
         value = {k: v for k, v in value.items() if k != "trials"}
-    if key == "extra":  # sweeps from before `extra` have none
-        value = value or {}
+    if key == "extra":  # sweeps from before `extra` have none; a key without values adds nothing
+        value = {k: v for k, v in (value or {}).items() if v}
     return value
 
 

@@ -2,7 +2,7 @@
 
 Usage: python evaluation/benchmarks/bench_arch_train.py --data DIR [--sweep architectures_cpu]
        [--heads medusa,hydra,hydra_pp,hydra_eagle,hydra_cross_attn,eagle3] [--steps 12]
-       [--warmup 3] [--repeats 2] [--threads N] [--head-override eagle3:head.num_heads=3 ...]
+       [--warmup 3] [--repeats 2] [--threads N] [--head-override eagle3:head.num_heads=7 ...]
        [--budget-steps 1100] [--ref hydra_pp] [--override KEY=VALUE ...]
 
 `--data` is a prepared dataset with cached hidden states (`prep cache_hidden=true`); EAGLE-3
@@ -13,11 +13,13 @@ adds them is printed.
 Every head trains with the sweep's own shared train overrides (`conf/sweep/<sweep>.yaml`, its
 `train:` list, with `trainer.max_steps` and the checkpoint and validation cadence replaced by
 this run's step count), then any `--override`s (one GPU of a GPU sweep: `--override trainer=gpu
---override trainer.devices=1`), its own `head=<name>` and any `--head-override`s. It trains
-through Lightning's real Trainer on the same batches in the same order. Runs are interleaved
-(medusa, hydra, ..., medusa, ...) `--repeats` times, and the table reports each head's best run
-(the least disturbed by other load) with every run beside it. The ratios come from one run of
-this script on one machine, measured side by side.
+--override trainer.devices=1`), its own `head=<name>`, the sweep's `extra` for that head
+(EAGLE-3's unrolled steps, not the step counts this measures) and any `--head-override`s. It
+trains through Lightning's real Trainer on the same batches in the same order. Offline modules
+are built once; online ones (the base runs each step) are rebuilt for each run, one base in
+memory at a time. Runs are interleaved (medusa, hydra, ..., medusa, ...) `--repeats` times, and
+the table reports each head's best run (the least disturbed by other load) with every run
+beside it. The ratios come from one run of this script on one machine, measured side by side.
 
 Columns: s/step; the ratio to the reference head (`--ref`, default the first); and how many
 steps each head gets in the time the reference needs for `--budget-steps` steps (the sweep's
@@ -59,19 +61,36 @@ OWN_KEYS = ("trainer.max_steps", "trainer.val_check_interval", "checkpoint_every
 console = Console(width=120)
 
 
-def sweep_train_overrides(name: str) -> list[str]:
-    """The shared `train:` overrides of conf/sweep/<name>.yaml, minus the keys set here."""
+def _sweep_file(name: str) -> dict:
     path = ROOT / "conf" / "sweep" / f"{name}.yaml"
     if not path.is_file():
         names = sorted(p.stem for p in path.parent.glob("*.yaml"))
         raise SystemExit(f"--sweep {name}: no {path}; choose one of {names}")
-    train = yaml.safe_load(path.read_text()).get("train") or []
-    return [o for o in train if o.split("=", 1)[0].lstrip("+~") not in OWN_KEYS]
+    return yaml.safe_load(path.read_text()) or {}
 
 
-def head_overrides(items: list[str], heads: list[str]) -> dict[str, list[str]]:
-    """['eagle3:head.num_heads=3'] -> {'eagle3': ['head.num_heads=3']}."""
-    out: dict[str, list[str]] = {h: [] for h in heads}
+def _own(o: str) -> bool:
+    return o.split("=", 1)[0].lstrip("+~") in OWN_KEYS
+
+
+def sweep_train_overrides(name: str) -> list[str]:
+    """The shared `train:` overrides of conf/sweep/<name>.yaml, minus the keys set here."""
+    return [o for o in _sweep_file(name).get("train") or [] if not _own(o)]
+
+
+def sweep_head_extras(name: str) -> dict[str, list[str]]:
+    """The sweep's `extra` overrides of each `head=` grid value (e.g. EAGLE-3's unrolled
+    steps), minus the step counts this benchmark is there to measure."""
+    by_head = (_sweep_file(name).get("extra") or {}).get("head") or {}
+    return {str(h): [o for o in overrides if not _own(o)] for h, overrides in by_head.items()}
+
+
+def head_overrides(
+    items: list[str], heads: list[str], base: dict[str, list[str]] | None = None
+) -> dict[str, list[str]]:
+    """['eagle3:head.num_heads=3'] -> {'eagle3': ['head.num_heads=3']}, after each head's
+    overrides in `base` (the sweep's extras)."""
+    out: dict[str, list[str]] = {h: list((base or {}).get(h, [])) for h in heads}
     for item in items:
         head, sep, override = item.partition(":")
         if not sep or "=" not in override:
@@ -119,7 +138,6 @@ def run_lightning(cfg: TrainConfig, module, dm, total: int) -> Run:
         limit_val_batches=0,
         callbacks=[timer],
     )
-    dm.trainer = None  # a finished fit's trainer would make the loader skip batches
     trainer.fit(module, datamodule=dm)
     if trainer.global_step != total:
         raise RuntimeError(f"Lightning ran {trainer.global_step} steps, expected {total}")
@@ -127,15 +145,19 @@ def run_lightning(cfg: TrainConfig, module, dm, total: int) -> Run:
 
 
 def report(
-    runs: dict[str, list[Run]], params: dict[str, int], args: argparse.Namespace, threads: int
+    runs: dict[str, list[Run]],
+    params: dict[str, int],
+    args: argparse.Namespace,
+    threads: int,
+    offline: bool,
 ) -> None:
     w = args.warmup
     best = {h: min(rs, key=lambda r: r.s_per_step(w)) for h, rs in runs.items()}
     ref_head = args.ref or next(iter(best))
     ref = best[ref_head].s_per_step(w)
     table = Table(
-        title=f"offline training step, sweep={args.sweep} (best of {args.repeats} runs, "
-        f"{threads} threads)"
+        title=f"{'offline' if offline else 'online'} training step, sweep={args.sweep} "
+        f"(best of {args.repeats} runs, {threads} threads)"
     )
     cols = (
         "heads",
@@ -188,8 +210,7 @@ def parse_args() -> argparse.Namespace:
     if not (args.data / "prep_stats.json").is_file():
         p.error(f"--data {args.data}: not a prepared dataset (no prep_stats.json)")
     if args.budget_steps is None:
-        path = ROOT / "conf" / "sweep" / f"{args.sweep}.yaml"
-        train = yaml.safe_load(path.read_text()).get("train") or [] if path.is_file() else []
+        train = _sweep_file(args.sweep).get("train") or []
         steps = [o.split("=", 1)[1] for o in train if o.startswith("trainer.max_steps=")]
         args.budget_steps = int(steps[0]) if steps else 1000
     return args
@@ -205,34 +226,44 @@ def main() -> None:
     unknown = [h for h in heads if h not in HEADS]
     if unknown:
         raise SystemExit(f"--heads: unknown {unknown}; registered: {list(HEADS)}")
-    if "eagle3" in heads and not has_aux_layers(args.data):
+    extra = head_overrides(args.head_override, heads, sweep_head_extras(args.sweep))
+    offline = train_cfg(args, heads[0], extra[heads[0]], Path("/nonexistent")).data.offline
+    if offline and "eagle3" in heads and not has_aux_layers(args.data):
         console.print(
             f"[yellow]eagle3 left out: {args.data} has no fused layers; add them with "
             f"`hydra-heads prep from_prepared={args.data} cache_hidden=true "
             f"'cache_aux_layers=[2,15,27]' out=DIR` and pass --data DIR[/yellow]"
         )
         heads.remove("eagle3")
-    if args.ref is not None and args.ref not in heads:
-        raise SystemExit(f"--ref {args.ref}: not among the heads measured {heads}")
-    extra = head_overrides(args.head_override, heads)
     console.print(f"load average before: {load_average()}; busy: {busy_processes()}")
     total = args.warmup + args.steps
-    built, params = {}, {}
-    for head in heads:
+    params: dict[str, int] = {}
+    kept: dict[str, tuple] = {}  # offline: every head's module, built once
+
+    def build(head: str) -> tuple:
+        """The head's config, module and data. Offline modules are kept between runs. Online
+        ones hold the frozen base, so each is rebuilt per run and one base is in memory at a
+        time (the heads' initial weights are seeded: a rebuild starts from the same ones)."""
+        if head in kept:
+            return kept[head]
         cfg = train_cfg(args, head, extra[head], Path("/nonexistent/bench_arch_train") / head)
-        pl.seed_everything(0, workers=True, verbose=False)
         module, dm, *_ = build_module(cfg)
         params[head] = sum(p.numel() for p in module.heads.parameters() if p.requires_grad)
-        built[head] = (cfg, module, dm, {k: v.clone() for k, v in module.state_dict().items()})
-    console.print(f"{len(heads)} heads built; {total} steps per run ({args.warmup} untimed)")
+        init = {k: v.clone() for k, v in module.heads.state_dict().items()}
+        if offline:
+            kept[head] = (cfg, module, dm, init)
+        return cfg, module, dm, init
+
+    console.print(f"{len(heads)} heads; {total} steps per run ({args.warmup} untimed)")
     runs: dict[str, list[Run]] = {h: [] for h in heads}
     for rep in range(args.repeats):
         for head in heads:
-            cfg, module, dm, init = built[head]
-            module.load_state_dict(init)  # every run starts from the same weights
-            torch.manual_seed(0)
+            cfg, module, dm, init = build(head)
+            module.heads.load_state_dict(init)  # every run starts from the same weights
+            pl.seed_everything(0, workers=True, verbose=False)
             r = run_lightning(cfg, module, dm, total)
             runs[head].append(r)
+            del module, dm  # online: the base goes before the next one loads
             console.print(
                 f"  run {rep + 1}/{args.repeats} {head:<17} {r.s_per_step(args.warmup):7.3f} "
                 f"s/step  (load {load_average()})"
@@ -243,7 +274,7 @@ def main() -> None:
     if len({tuple(k) for k in keys.values()}) != 1:
         raise RuntimeError("the heads saw different batches: the comparison is unfair")
     console.print("same batches for every head: yes")
-    report(runs, params, args, threads)
+    report(runs, params, args, threads, offline)
     console.print(
         f"load average after {load_average()}; busy now: {busy_processes()}; "
         f"wall time {time.perf_counter() - t_start:.0f} s"

@@ -4,8 +4,6 @@ against the grid, kept out of the points' names, and part of the sweep's identit
 
 from __future__ import annotations
 
-import json
-
 from tests.helpers import run_here
 
 EXTRA = '+sweep.extra={head:{eagle3:["head.num_heads=3","trainer.max_steps=7"]}}'
@@ -46,6 +44,7 @@ def test_extra_refuses_what_the_grid_does_not_hold(tmp_path):
     assert r.returncode == 2 and "key=value" in r.stderr
     r = _dry(tmp_path, '+sweep.extra={head:{eagle3:["out=/tmp/elsewhere"]}}')
     assert r.returncode == 2 and "no out= or resume=" in r.stderr
+    assert "sweep.extra.head.eagle3" in r.stderr
 
 
 def test_changed_extra_is_another_sweep_and_old_state_without_it_resumes(tmp_path):
@@ -56,24 +55,64 @@ def test_changed_extra_is_another_sweep_and_old_state_without_it_resumes(tmp_pat
     from train.core.config import load as to_typed
 
     out = tmp_path / "s"
-    args = [f"out={out}", "sweep.grid={head:[medusa,eagle3]}", EXTRA]
-    cfg = to_typed(compose("sweep", args), SweepConfig)
+    train = 'sweep.train=["base=tiny_random","trainer.max_steps=4"]'
+    args = [f"out={out}", "sweep.grid={head:[medusa,eagle3]}", train]
+    cfg = to_typed(compose("sweep", [*args, EXTRA]), SweepConfig)
     out.mkdir()
-    state = load_state(out, cfg.sweep)
-    write_json(out / "sweep.json", state)
+    write_json(out / "sweep.json", load_state(out, cfg.sweep))
+    r = _dry(tmp_path, EXTRA)  # the same sweep: resumes
+    assert r.returncode == 0, r.stderr[-2000:]
     r = _dry(tmp_path, '+sweep.extra={head:{eagle3:["trainer.max_steps=9"]}}')
+    assert r.returncode == 2 and "belongs to a different sweep: sweep.extra changed" in r.stderr
+    r = _dry(tmp_path)  # no extras at all is another sweep too
     assert r.returncode == 2 and "sweep.extra changed" in r.stderr
-    # a sweep.json written before `extra` existed is the same sweep as one with no extras
-    del state["spec"]["extra"]
-    write_json(out / "sweep.json", state)
-    r = _dry(tmp_path)
-    assert r.returncode == 2 and "sweep.extra" not in r.stderr  # its train list differs
-    plain = to_typed(compose("sweep", args[:2]), SweepConfig)
+
+    # a sweep.json written before `extra` existed (no key) is the same sweep as one with no
+    # extras, and as one whose extras a command-line grid has all dropped
+    only_medusa = [*args, 'grid=["head=medusa"]']
+    plain = to_typed(compose("sweep", only_medusa), SweepConfig)
     state = load_state(tmp_path / "fresh", plain.sweep)
     del state["spec"]["extra"]
+    state["points"][0]["status"] = "done"
     (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "sweep.json").write_text(json.dumps(state))
-    assert load_state(tmp_path / "old", plain.sweep)["points"] == state["points"]
+    write_json(tmp_path / "old" / "sweep.json", state)
+    assert load_state(tmp_path / "old", plain.sweep)["points"][0]["status"] == "done"
+    gone = to_typed(compose("sweep", [*only_medusa, EXTRA]), SweepConfig).sweep
+    assert gone.extra == {}
+    assert load_state(tmp_path / "old", gone)["points"][0]["status"] == "done"
+    held = to_typed(compose("sweep", [*args, EXTRA, 'grid=["head=eagle3"]']), SweepConfig).sweep
+    assert held.extra == {"head": {"eagle3": ["head.num_heads=3", "trainer.max_steps=7"]}}
+
+
+def test_extra_matches_values_as_the_grid_reads_them_and_refuses_grid_keys(tmp_path):
+    from launch.config import SweepSpec
+    from launch.grid import held_extras, parse_grid
+    from launch.sweep_state import plan_points
+
+    # a command-line grid reads 1e-3 as text, a sweep file as the float 0.001: one value
+    grid = parse_grid("grid", ["optim.lr=1e-3,3e-3"])
+    assert grid["optim.lr"] == ["1e-3", "3e-3"]
+    extra = {"optim.lr": {0.001: ["head.num_layers=2"]}, "head": {"x": ["a=1"]}}
+    kept, dropped = held_extras(extra, grid)
+    assert kept == {"optim.lr": {0.001: ["head.num_layers=2"]}} and dropped == ["head=x"]
+    spec = SweepSpec(name="t", grid=grid, eval_grid={}, train=[], eval=[], sort_by="tau",
+                     extra=kept)  # fmt: skip
+    over = {p["train_point"]: p["train_overrides"] for p in plan_points(spec)}
+    assert over == {
+        "optim.lr-1e-3": ["optim.lr=1e-3", "head.num_layers=2"],
+        "optim.lr-3e-3": ["optim.lr=3e-3"],
+    }
+    # ints and floats, bools and None each match their own kind only
+    extra = {"a": {2.0: ["b=1"], True: ["b=2"], None: ["b=3"], "1x": ["b=4"]}}
+    spec = SweepSpec(name="t", grid={"a": [2, True, None, "1x"]}, eval_grid={}, train=[],
+                     eval=[], sort_by="tau", extra=extra)  # fmt: skip
+    assert [p["train_overrides"][1:] for p in plan_points(spec)] == [
+        ["b=1"], ["b=2"], ["b=3"], ["b=4"]
+    ]  # fmt: skip
+    # an extra may not set a key the grid sets: the points would differ in name only
+    r = _dry(tmp_path, '+sweep.extra={head:{eagle3:["head=hydra"]}}')
+    assert r.returncode == 2 and "sweep.extra.head.eagle3" in r.stderr
+    assert "head is a grid key" in r.stderr
 
 
 def test_every_ready_sweep_plans_and_the_architecture_sweeps_cover_six_heads():
@@ -103,7 +142,11 @@ def test_every_ready_sweep_plans_and_the_architecture_sweeps_cover_six_heads():
 def test_bench_arch_train_reads_the_sweep_and_refuses_bad_head_overrides():
     import pytest
 
-    from evaluation.benchmarks.bench_arch_train import head_overrides, sweep_train_overrides
+    from evaluation.benchmarks.bench_arch_train import (
+        head_overrides,
+        sweep_head_extras,
+        sweep_train_overrides,
+    )
 
     shared = sweep_train_overrides("architectures_cpu")
     assert "experiment=smollm2_cpu_1h" in shared
@@ -112,6 +155,11 @@ def test_bench_arch_train_reads_the_sweep_and_refuses_bad_head_overrides():
         "medusa": [],
         "eagle3": ["head.num_heads=3"],
     }
+    # the sweep's own extras, minus the step counts the benchmark measures
+    extras = sweep_head_extras("architectures_cpu")
+    assert extras["eagle3"] == ["head.num_heads=3"] and extras["medusa"] == []
+    got = head_overrides(["eagle3:head.dropout=0.1"], ["medusa", "eagle3"], extras)
+    assert got == {"medusa": [], "eagle3": ["head.num_heads=3", "head.dropout=0.1"]}
     with pytest.raises(SystemExit, match="HEAD:key=value"):
         head_overrides(["eagle3=3"], ["eagle3"])
     with pytest.raises(SystemExit, match="not in --heads"):
