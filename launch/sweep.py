@@ -110,6 +110,10 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
                 if not mine:
                     bar.console.print(f"{escape(p['name'])}: being run by another process")
                     continue
+                # another process may have finished it since this one read sweep.json
+                if _status(out, p["name"]) == "done":
+                    bar.console.print(f"{escape(p['name'])}: finished by another process")
+                    continue
                 stage, msg = run_point(cfg, out, p, lambda d: bar.update(task, description=d))
                 if stage == "train":
                     failed_train.add(tname)
@@ -123,6 +127,10 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
                 except Exception as e:  # noqa: BLE001 - a report problem must not stop training
                     bar.console.print(f"[yellow]report not refreshed[/yellow]: {escape(str(e))}")
     return read_state(out)
+
+
+def _status(out: Path, name: str) -> str | None:
+    return next((q["status"] for q in read_state(out)["points"] if q["name"] == name), None)
 
 
 def _live_jobs(jobs: dict[str, str]) -> dict[str, str]:

@@ -166,3 +166,32 @@ def test_bench_arch_train_reads_the_sweep_and_refuses_bad_head_overrides():
         head_overrides(["hydra:head.num_layers=2"], ["eagle3"])
     with pytest.raises(SystemExit, match="choose one of"):
         sweep_train_overrides("no_such_sweep")
+
+
+def test_a_point_finished_by_another_process_meanwhile_is_not_run_again(tmp_path, monkeypatch):
+    # two local sweeps share the points: the second reads sweep.json, waits, and by the time
+    # it takes a point another process may have finished it (its eval used to run again)
+    import launch.sweep as sweep_mod
+    from launch.config import SweepConfig
+    from launch.sweep_state import update_point
+    from train.core.config import compose
+    from train.core.config import load as to_typed
+
+    out = tmp_path / "s"
+    cfg = to_typed(
+        compose("sweep", [f"out={out}", "sweep.grid={head:[medusa,hydra]}", "report=false"]),
+        SweepConfig,
+    )
+    ran = []
+
+    def fake_run_point(cfg, out, p, describe=None, env=None):
+        ran.append(p["name"])
+        update_point(out, p["name"], status="done")
+        if p["name"] == "head-medusa":  # meanwhile another process finishes head-hydra
+            update_point(out, "head-hydra", status="done")
+        return None, ""
+
+    monkeypatch.setattr(sweep_mod, "run_point", fake_run_point)
+    state = sweep_mod.run_sweep(cfg, progress=False)
+    assert ran == ["head-medusa"]
+    assert [p["status"] for p in state["points"]] == ["done", "done"]
