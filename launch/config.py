@@ -88,6 +88,15 @@ class PlanConfig(TrainConfig):
 
 
 # -- sweep -----------------------------------------------------------------------------------
+PER_POINT_KEYS = ("out", "resume")  # a sweep's train overrides may not set these
+PER_POINT_RULE = "no out= or resume= (the sweep sets them per point)"
+
+
+def _override_key(o: str) -> str:
+    """`+head.x=1` -> `head.x`: the key an override sets."""
+    return o.split("=", 1)[0].lstrip("+~")
+
+
 Grid = dict[str, Annotated[list[Any], check(bool, "a non-empty list of values")]]
 
 
@@ -162,8 +171,8 @@ class SweepSpec(ConfigModel):
             if "=" not in o:
                 fail("train / eval", o, "overrides of the form key=value")
         for o in self.train:
-            if o.split("=", 1)[0].lstrip("+~") in ("out", "resume"):
-                fail("train", o, "no out= or resume= (the sweep sets them per point)")
+            if _override_key(o) in PER_POINT_KEYS:
+                fail("train", o, PER_POINT_RULE)
         self._check_extra()
         return self
 
@@ -178,11 +187,11 @@ class SweepSpec(ConfigModel):
                 if grid_value_key(value) not in held:
                     fail(f"extra.{key}", value, f"one of the grid's values {values}")
                 for o in overrides:
-                    name = o.split("=", 1)[0].lstrip("+~")
+                    name = _override_key(o)
                     if "=" not in o:
                         fail(where, o, "overrides of the form key=value")
-                    if name in ("out", "resume"):
-                        fail(where, o, "no out= or resume= (the sweep sets them per point)")
+                    if name in PER_POINT_KEYS:
+                        fail(where, o, PER_POINT_RULE)
                     if name in self.grid:
                         fail(
                             where,
