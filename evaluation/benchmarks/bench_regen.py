@@ -1,7 +1,7 @@
 """Compare self-distillation's batched generation with plain batch-1 `model.generate` on SmolLM2.
 
 Usage: python evaluation/benchmarks/bench_regen.py [--prompts 16] [--max-new-tokens 128]
-       [--batch-size B] [--batch-tokens T] [--threads N] [--skip-generate-batched]
+       [--batch-size B] [--batch-tokens T] [--threads N] [--skip-generate-batched] [--bf16]
 
 The prompts are the first assistant turns of the first `--prompts` bundled ShareGPT
 conversations, read and templated the way `hydra-heads prep regenerate=true` does (data order,
@@ -14,7 +14,10 @@ so the long-prompt tail is in the sample). Greedy, one pass each, measured in on
       (standard) weights, to show what the packed copies buy;
   (c) model.generate on (b)'s batches: the same batching, but every row decodes until the
       batch's last row finishes, with transformers' concatenating cache (isolates the loop);
-  (d) model.generate on batches of 8 in data order: regeneration before length batching.
+  (d) model.generate on batches of 8 in data order: regeneration before length batching;
+  (e) with --bf16: (b) on a bf16 copy of the base (`prep base.dtype=bfloat16`, its weights
+      packed as (b)'s): on a CPU with bf16 units (AVX512-BF16 / AMX) or a GPU. Its replies are
+      the bf16 base's greedy replies, so "same as (a)" measures how far they are from float32's.
 
 tokens/s counts reply tokens (EOS left out) over the whole pass, prefill included. "same as
 (a)" is the share of replies identical to batch-1 greedy token for token (float noise in
@@ -121,7 +124,13 @@ def timed(name: str, fn, batches: int) -> Result:
     return Result(name, replies, seconds, batches)
 
 
-def run(base, prompts: list[list[int]], cfg: RegenConfig, with_batched_generate: bool):
+def run(
+    base,
+    prompts: list[list[int]],
+    cfg: RegenConfig,
+    with_batched_generate: bool,
+    bf16: bool = False,
+):
     new = cfg.max_new_tokens
     prep_base = copy.copy(base)  # the base as prep runs it: its own copy of the model
     prep_base.model = copy.deepcopy(base.model)
@@ -144,6 +153,17 @@ def run(base, prompts: list[list[int]], cfg: RegenConfig, with_batched_generate:
             timed(
                 "(b') regenerate.generate_replies, weight_layout=standard",
                 lambda: generate_replies(base, prompts, cfg),
+                len(plan),
+            )
+        )
+    if bf16:
+        half = copy.copy(base)
+        half.model = copy.deepcopy(base.model).to(torch.bfloat16)
+        use_weight_layout(half.model, layout=cfg.weight_layout)
+        results.append(
+            timed(
+                f"(e) regenerate.generate_replies, bf16 base, weight_layout={cfg.weight_layout}",
+                lambda: generate_replies(half, prompts, cfg),
                 len(plan),
             )
         )
@@ -207,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: its own)"
     )
-    ap.add_argument("--skip-generate-batched", action="store_true", help="measure (a) and (b) only")
+    ap.add_argument("--skip-generate-batched", action="store_true", help="leave out (c) and (d)")
+    ap.add_argument("--bf16", action="store_true", help="add (e): (b) on a bf16 copy of the base")
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.max_new_tokens < 1:
         ap.error("--prompts and --max-new-tokens must be positive integers")
@@ -237,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     hf_generate(base, [prompts[:1]], 4)  # warm-up: the first forwards pay one-off costs
-    results = run(base, prompts, cfg.regen, not args.skip_generate_batched)
+    results = run(base, prompts, cfg.regen, not args.skip_generate_batched, args.bf16)
     title = (
         f"regeneration throughput: SmolLM2, {len(prompts)} ShareGPT first turns, greedy, "
         f"max_new_tokens {args.max_new_tokens}, batch_size {cfg.regen.batch_size}, "
