@@ -49,6 +49,7 @@ from launch.sweep_state import (
     add_point,
     locked,
     point_lock,
+    read_point,
     read_state,
     record_job,
     update_point,
@@ -287,8 +288,7 @@ def run_worker(cfg: SweepConfig, out: Path, worker: str, progress: bool) -> dict
             while (trial := _next_trial(cfg, out, study, worker)) is not None:
                 point = _point(suggest(trial, search.space), trial.number)
                 add_point(out, point)
-                state = read_state(out)
-                current = next(p for p in state["points"] if p["name"] == point["name"])
+                current = read_point(out, point["name"])
                 stage, msg = None, ""
                 if current["status"] != "done":
                     stage, msg = run_point(

@@ -33,6 +33,7 @@ from launch.sweep_state import (
     load_state,
     locked,
     point_lock,
+    read_point,
     read_state,
     record_job,
     update_point,
@@ -111,7 +112,7 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
                     bar.console.print(f"{escape(p['name'])}: being run by another process")
                     continue
                 # another process may have finished it since this one read sweep.json
-                if _status(out, p["name"]) == "done":
+                if (read_point(out, p["name"]) or {}).get("status") == "done":
                     bar.console.print(f"{escape(p['name'])}: finished by another process")
                     continue
                 stage, msg = run_point(cfg, out, p, lambda d: bar.update(task, description=d))
@@ -127,10 +128,6 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
                 except Exception as e:  # noqa: BLE001 - a report problem must not stop training
                     bar.console.print(f"[yellow]report not refreshed[/yellow]: {escape(str(e))}")
     return read_state(out)
-
-
-def _status(out: Path, name: str) -> str | None:
-    return next((q["status"] for q in read_state(out)["points"] if q["name"] == name), None)
 
 
 def _live_jobs(jobs: dict[str, str]) -> dict[str, str]:

@@ -130,6 +130,11 @@ def load_state(out: Path, spec: SweepSpec) -> dict[str, Any]:
     return state
 
 
+def read_point(out: Path, name: str) -> dict[str, Any] | None:
+    """Point `name` as sweep.json holds it now (None: no such point)."""
+    return next((pt for pt in read_state(out)["points"] if pt["name"] == name), None)
+
+
 def update_point(out: Path, name: str, **changes: Any) -> None:
     """Set `changes` on point `name` in sweep.json (a finished point loses its last error)."""
     with locked(out / "sweep.json"):
