@@ -124,6 +124,17 @@ def timed(name: str, fn, batches: int) -> Result:
     return Result(name, replies, seconds, batches)
 
 
+def as_prep_runs(base, cfg: RegenConfig, dtype: torch.dtype | None = None):
+    """The base as prep runs it: its own copy of the model (in `dtype`, as `base.dtype`
+    sets it), its linears in regen.weight_layout."""
+    prep_base = copy.copy(base)
+    prep_base.model = copy.deepcopy(base.model)
+    if dtype is not None:
+        prep_base.model = prep_base.model.to(dtype)
+    use_weight_layout(prep_base.model, layout=cfg.weight_layout)
+    return prep_base
+
+
 def run(
     base,
     prompts: list[list[int]],
@@ -132,9 +143,7 @@ def run(
     bf16: bool = False,
 ):
     new = cfg.max_new_tokens
-    prep_base = copy.copy(base)  # the base as prep runs it: its own copy of the model
-    prep_base.model = copy.deepcopy(base.model)
-    use_weight_layout(prep_base.model, layout=cfg.weight_layout)
+    prep_base = as_prep_runs(base, cfg)
     plan = plan_batches([len(p) for p in prompts], new, cfg.batch_size, cfg.batch_tokens)
     results = [
         timed(
@@ -157,9 +166,7 @@ def run(
             )
         )
     if bf16:
-        half = copy.copy(base)
-        half.model = copy.deepcopy(base.model).to(torch.bfloat16)
-        use_weight_layout(half.model, layout=cfg.weight_layout)
+        half = as_prep_runs(base, cfg, torch.bfloat16)
         results.append(
             timed(
                 f"(e) regenerate.generate_replies, bf16 base, weight_layout={cfg.weight_layout}",
