@@ -226,3 +226,42 @@ def test_compiled_decoding_is_lossless_and_reports_its_compile_time(tiny_base):
     assert dec.speculative([longer], 150)[0].tokens == ref
     with pytest.raises(ValueError, match="one prompt at a time"):
         dec.plain([PROMPT, longer], 8)
+
+
+class FakeClock:
+    """perf_counter for `race`: each timed call advances it by the call's cost times the
+    machine's speed factor of the moment, which `slow` gives per call index."""
+
+    def __init__(self, slow=lambda i: 1.0):
+        self.now, self.calls, self.slow = 0.0, 0, slow
+
+    def __call__(self) -> float:
+        return self.now
+
+    def call(self, cost: float):
+        def run():
+            self.now += cost * self.slow(self.calls)
+            self.calls += 1
+
+        return run
+
+
+def test_race_times_the_two_alternately_so_a_slow_spell_cannot_pick_the_winner():
+    """a and b cost the same; a spell slows the machine 1.5x for the next three calls after
+    the warm-ups. Timed one after the other (a, a, a, then b, b, b) a would take all of it and
+    b would win by a third; alternated, each keeps a clean best."""
+    clock = FakeClock(lambda i: 1.5 if 2 <= i < 5 else 1.0)
+    a, b = backend.race(clock.call(1.0), clock.call(1.0), 3, clock)
+    assert a == b == 1.0
+    assert clock.calls == 2 + 2 * 3  # one warm-up each, then 3 reps each
+
+
+@pytest.mark.parametrize(("packed_s", "takes"), [(0.99, False), (0.975, False), (0.95, True)])
+def test_packed_rows_take_the_copy_only_past_the_margin(monkeypatch, packed_s, takes):
+    """Near a tie torch's own matmul stays (the choice must not flip with the noise from run
+    to run); a clear win takes the packed copy."""
+    monkeypatch.setattr(backend, "race", lambda a, b, reps, clock: (1.0, packed_s))
+    weights = [torch.randn(8, 4)]
+    take = backend.packed_rows(weights, [backend.pack(w) for w in weights])
+    assert take[1:] == (takes,) * backend.PROBE_ROWS[-1]
+    assert (1 - backend.PACK_MARGIN) * 1.0 < 0.99  # the margin sits between the cases
