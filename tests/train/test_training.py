@@ -394,3 +394,52 @@ def test_max_train_samples_trains_on_a_seeded_subset(tiny_prepared, tmp_path):
     _, dm, *_ = build_module(cfg)
     rows = sum(batch["input_ids"].shape[0] for batch in dm.train_dataloader())
     assert rows == 3  # one epoch is the subset
+
+
+def test_heads_step_with_fused_adamw_equal_to_the_per_tensor_one(tiny_prepared, tmp_path):
+    """configure_optimizers gives torch's fused AdamW (one kernel for all head parameters);
+    its step lands where the per-tensor AdamW's does, and Lightning's gradient clipping runs
+    with it under bf16-mixed, whose precision plugin refuses optimizers that unscale
+    gradients themselves."""
+    import copy
+
+    import lightning.pytorch as pl
+
+    module, dm, *_ = build_module(_cfg(tiny_prepared, tmp_path, "data.offline=true"))
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    fused = module.configure_optimizers()["optimizer"]
+    assert fused.defaults["fused"] is True
+    reference = copy.deepcopy(module)
+    reference._fused_adamw = lambda: False  # the same groups and learning rates, per tensor
+    loop = reference.configure_optimizers()["optimizer"]
+    assert not loop.defaults["fused"]
+    for mod, opt in ((module, fused), (reference, loop)):
+        for _ in range(3):
+            loss, _ = mod.compute(batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    got = torch.cat([p.detach().flatten() for p in module.heads.parameters() if p.requires_grad])
+    want = torch.cat(
+        [p.detach().flatten() for p in reference.heads.parameters() if p.requires_grad]
+    )
+    start = build_module(_cfg(tiny_prepared, tmp_path, "data.offline=true"))[0].heads
+    moved = torch.cat([p.flatten() for p in start.parameters() if p.requires_grad])
+    assert got.shape == moved.shape and not torch.equal(got, moved)  # the steps moved them
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        precision="bf16-mixed",
+        gradient_clip_val=1.0,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 2 and trainer.optimizers[0].defaults["fused"] is True
