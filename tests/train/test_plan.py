@@ -43,16 +43,14 @@ def test_unknown_gpu_is_a_clear_error():
 
 MEASURE = """
 import json, sys
-import lightning.pytorch as pl
 from tests.helpers import train_config
 from train.plan import PeakRSS, base_arch, estimate
-from train.recipe import fit
+from train.recipe import fit, make_trainer
 
 cfg = train_config(sys.argv[1:])
 est = estimate(cfg, base_arch(cfg.base))
-t = {k: v for k, v in cfg.trainer.items() if k != "_target_"}
-with PeakRSS() as m:
-    fit(cfg, lambda **kw: pl.Trainer(**{**t, **kw, "enable_progress_bar": False}), False)
+with PeakRSS() as m:  # the trainer as `train` builds it (precision=auto resolved, as logged)
+    fit(cfg, lambda **kw: make_trainer(cfg, **{**kw, "enable_progress_bar": False}), False)
 need = est["total"] + est["runtime_overhead"]
 print(json.dumps({"estimate": need, "measured": m.peak - m.start}))
 """
