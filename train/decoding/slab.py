@@ -107,7 +107,7 @@ def _prefill(model, prompts, pad: int, capacity: int) -> tuple[KVCache, torch.Te
     return cache, last
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate_left_padded(
     model,
     prompts: list[list[int]],
