@@ -20,7 +20,7 @@
   frozen graphs call): there the same linears took 27 ms for 1 row, 27 for 2, 37 for 8 and
   51 for 16. With `auto` (the default) each weight shape is timed in both ways at 1-64 rows
   at start-up (alternately, best of several) and each row count takes the packed copy where
-  it is at least 3% faster (near a tie torch's own, so the choice stays put from run to run);
+  it is at least 3% faster (near a tie torch's own: fewer flips from run to run);
   `packed` takes the copy at every count.
   The copy is one more set of the weights in memory. A bf16 linear gets a bf16 copy the same
   way: torch's bf16 CPU matmul hands oneDNN the plain weight, reordered at every call (on a
@@ -222,9 +222,10 @@ def race(a, b, reps: int, clock=time.perf_counter) -> tuple[float, float]:
 
 
 # A row count takes the packed copy only where it is at least this much faster: near a tie the
-# timing's noise alone would decide, and the choice (and with it every step time `tree=auto`
-# compares) would change from run to run (on the 2-core Xeon, four start-ups in a row chose four
-# different row spans for the output projection, 1-2,4+ / 3+ / 3+ / 4+).
+# timing's noise alone decides. This narrows the run-to-run variation without removing it (on
+# the 2-core Xeon, four start-ups chose 1-2,4+ / 3+ / 3+ / 4+ for the output projection
+# before, 3+ / 4+ / 3+ / 2+ after: a 113 MB weight times noisily); tree=auto's own interleaved
+# timing is what keeps its choice steady.
 PACK_MARGIN = 0.03
 
 
