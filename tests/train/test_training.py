@@ -42,12 +42,13 @@ class LossLog:
         return CB()
 
 
-def _fit(module, dm, steps, callbacks=()):
+def _fit(module, dm, steps, callbacks=(), **trainer_kw):
     import lightning.pytorch as pl
 
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=steps,
+        **trainer_kw,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -403,8 +404,6 @@ def test_heads_step_with_fused_adamw_equal_to_the_per_tensor_one(tiny_prepared, 
     gradients themselves."""
     import copy
 
-    import lightning.pytorch as pl
-
     module, dm, *_ = build_module(_cfg(tiny_prepared, tmp_path, "data.offline=true"))
     dm.setup()
     batch = next(iter(dm.train_dataloader()))
@@ -429,17 +428,5 @@ def test_heads_step_with_fused_adamw_equal_to_the_per_tensor_one(tiny_prepared, 
     assert got.shape == moved.shape and not torch.equal(got, moved)  # the steps moved them
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        precision="bf16-mixed",
-        gradient_clip_val=1.0,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        use_distributed_sampler=False,
-    )
-    trainer.fit(module, datamodule=dm)
+    trainer = _fit(module, dm, 2, precision="bf16-mixed", gradient_clip_val=1.0)
     assert trainer.global_step == 2 and trainer.optimizers[0].defaults["fused"] is True
