@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import nn
 
 from train.config import OptimConfig
@@ -341,7 +342,7 @@ class HeadsModule(pl.LightningModule):
         wrapper, nor for parameters the fused kernel does not take (not float, or not on a
         CPU or CUDA device)."""
         trainer = self._trainer
-        if trainer is not None and "deepspeed" in type(trainer.strategy).__name__.lower():
+        if trainer is not None and isinstance(trainer.strategy, DeepSpeedStrategy):
             return False
         return all(
             p.is_floating_point() and p.device.type in ("cpu", "cuda")

@@ -260,7 +260,7 @@ def test_race_times_the_two_alternately_so_a_slow_spell_cannot_pick_the_winner()
 def test_packed_rows_take_the_copy_only_past_the_margin(monkeypatch, packed_s, takes):
     """Near a tie torch's own matmul stays (the choice must not flip with the noise from run
     to run); a clear win takes the packed copy."""
-    monkeypatch.setattr(backend, "race", lambda a, b, reps, clock: (1.0, packed_s))
+    monkeypatch.setattr(backend, "race", lambda a, b, reps: (1.0, packed_s))
     weights = [torch.randn(8, 4)]
     take = backend.packed_rows(weights, [backend.pack(w) for w in weights])
     assert take[1:] == (takes,) * backend.PROBE_ROWS[-1]

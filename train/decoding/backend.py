@@ -229,9 +229,7 @@ def race(a, b, reps: int, clock=time.perf_counter) -> tuple[float, float]:
 PACK_MARGIN = 0.03
 
 
-def packed_rows(
-    weights: list[torch.Tensor], packed: list[torch.Tensor], clock=time.perf_counter
-) -> tuple[bool, ...]:
+def packed_rows(weights: list[torch.Tensor], packed: list[torch.Tensor]) -> tuple[bool, ...]:
     """PackedLinear's `take` for weights of one shape on this machine: for each row count
     0..PROBE_ROWS[-1], whether the packed copies multiply it faster (by PACK_MARGIN) than
     torch's own matmul (each count takes the choice timed at the next count of PROBE_ROWS;
@@ -248,7 +246,6 @@ def packed_rows(
                 lambda x=x: [F.linear(x, w) for w in weights],
                 lambda x=x: [packed_linear(x, p) for p in packed],
                 reps,
-                clock,
             )
             faster[n] = onednn < standard * (1 - PACK_MARGIN)
     return (False,) + tuple(
