@@ -64,6 +64,9 @@ class DataConfig(ConfigModel):
     reasoning: Literal["train", "mask", "drop"]
     train_only_last_turn: bool  # loss only on the assistant turns after the last user turn
     max_conversations: Positive | None  # read at most this many input records
+    # pass over this many records first (they are not read): with max_conversations, the next
+    # slice of a large corpus, e.g. records 2400..4799 after a prep of the first 2400
+    skip_records: NonNegative
     max_length: Annotated[int, check(lambda v: v >= 16, "an integer >= 16 (tokens per sample)")]
     long_conversations: Literal["split", "truncate", "drop"]
     min_trainable_tokens: Positive
@@ -79,6 +82,13 @@ class DataConfig(ConfigModel):
     def _source(self) -> DataConfig:
         if self.sources is not None:
             self._mixture()
+            if self.skip_records:
+                fail(
+                    "skip_records",
+                    self.skip_records,
+                    "0 with data.sources: skipping applies to one input (data.path / "
+                    "data.package_file); cap each source with its max_conversations",
+                )
         elif (self.path is None) == (self.package_file is None):
             fail("path", self.path, "set exactly one of data.path or data.package_file")
         if not self.loss_roles:
@@ -176,7 +186,9 @@ class PrepConfig(ConfigModel):
     cache_aux_layers: list[NonNegative] | None
     # Another prepared dataset whose samples (tokens, masks, splits) are kept as they are: only
     # the hidden states are cached anew (e.g. adding EAGLE-3's layers without regenerating).
-    from_prepared: str | None
+    # A list of several: their samples merged (duplicates dropped), with the states they hold
+    # or, with cache_hidden=true, states cached anew.
+    from_prepared: str | list[str] | None
 
     @model_validator(mode="after")
     def _caching(self) -> PrepConfig:
@@ -185,6 +197,24 @@ class PrepConfig(ConfigModel):
                 fail("cache_hidden", False, "true: cache_aux_layers caches beside the hidden state")
             if not self.cache_aux_layers:
                 fail("cache_aux_layers", [], "layer indices, e.g. [2, 15, 27], or null")
-        if self.from_prepared is not None and not self.cache_hidden:
-            fail("cache_hidden", False, "true: from_prepared only caches hidden states anew")
+        sources = self.prepared_sources()
+        if isinstance(self.from_prepared, list):
+            if not sources:
+                fail("from_prepared", [], "one prepared dir, or a list of several to merge")
+            if len(set(map(str, sources))) < len(sources):
+                fail("from_prepared", self.from_prepared, "distinct dirs (one is listed twice)")
+        if len(sources) == 1 and not self.cache_hidden:
+            fail(
+                "cache_hidden",
+                False,
+                "true: from_prepared with one dir only caches hidden states anew (list several "
+                "dirs to merge them)",
+            )
         return self
+
+    def prepared_sources(self) -> list[Path]:
+        """from_prepared as a list of dirs (empty: prep reads data)."""
+        if self.from_prepared is None:
+            return []
+        dirs = [self.from_prepared] if isinstance(self.from_prepared, str) else self.from_prepared
+        return [Path(d).expanduser().resolve() for d in dirs]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import itertools
 import json
 import math
 import os
@@ -85,7 +86,15 @@ def read_conversations(
     path = resolve_input(data)
     norm = NormalizeStats()
     rows, n_read, n_row_skips = _read_source(
-        path, data.format, data.max_conversations, data, skips, norm, {}, work / "source.arrow"
+        path,
+        data.format,
+        data.max_conversations,
+        data,
+        skips,
+        norm,
+        {},
+        work / "source.arrow",
+        skip=data.skip_records,
     )
     info = {
         "input": str(path),
@@ -123,13 +132,16 @@ def _read_source(
     seen: dict[bytes, str | None],
     spool_to: Path,
     source: str | None = None,
+    skip: int = 0,
 ) -> tuple[Any, int, int]:
     """The usable conversations of one input, spooled to the Arrow file `spool_to` as they are
     read, and (records parsed, parsed ones rejected here).
 
     `seen` maps the conversation keys (as bytes) taken so far to their source (None outside a
     mixture), for dedup across sources: the one thing read that stays in memory, ~100 bytes a
-    conversation. A mixed conversation's id is `<source>/<record id>`."""
+    conversation. A mixed conversation's id is `<source>/<record id>`. The first `skip` records
+    are passed over unread (data.skip_records); records the reader cannot parse are counted
+    wherever they are."""
     from tqdm.auto import tqdm
 
     role_map = {**DEFAULT_ROLE_MAP, **{k.lower(): v for k, v in (data.roles or {}).items()}}
@@ -138,7 +150,10 @@ def _read_source(
 
     def usable() -> Iterator[dict]:
         bar = tqdm(desc=f"reading {path.name}", unit=" conv", total=max_records)
-        for where, record in iter_records(path, fmt, skips, data.split):
+        records = iter_records(path, fmt, skips, data.split)
+        for _ in itertools.islice(records, skip):
+            pass
+        for where, record in records:
             if max_records is not None and counts["read"] >= max_records:
                 break
             counts["read"] += 1
@@ -572,8 +587,13 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     for stale in partial.glob("spool-*"):  # a killed run's working files
         shutil.rmtree(stale, ignore_errors=True)
     work = partial / f"spool-{os.getpid()}"
-    if cfg.from_prepared is not None:
-        dd, stats = _prepared_samples(Path(cfg.from_prepared).expanduser(), out, cfg.base.name)
+    sources = cfg.prepared_sources()
+    keep_states = len(sources) > 1 and not cfg.cache_hidden
+    if len(sources) == 1:
+        dd, stats = _prepared_samples(sources[0], out, cfg.base.name)
+        num_proc = None
+    elif sources:
+        dd, stats = _merged_samples(sources, out, cfg.base.name, keep_states)
         num_proc = None
     else:
         dd, make_stats, num_proc = _samples(cfg, timing, t_start, partial, work)
@@ -591,9 +611,10 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
             work = chunk_dir(partial, dd, cfg.base, cfg.cache_batch_size, aux)
             dd = cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device, work, ranks, aux)
         timing["cache_processes"] = ranks.world
-    if cfg.from_prepared is None:
+    if not sources:
         stats = make_stats(dd)
-    stats.update(cached_hidden=cfg.cache_hidden, cached_aux_layers=cfg.cache_aux_layers)
+    if not keep_states:  # else the merged sources' own states, which they share
+        stats.update(cached_hidden=cfg.cache_hidden, cached_aux_layers=cfg.cache_aux_layers)
     build = partial / f"build-{os.getpid()}"
     shutil.rmtree(build, ignore_errors=True)
     with _timed(timing, "save_s"):
@@ -667,9 +688,9 @@ def _regenerated(cfg: PrepConfig, rows, partial: Path, skips) -> list:
     return rows
 
 
-def _prepared_samples(src: Path, out: Path, base_name: str):
-    """from_prepared: another prepared dataset's samples without its cached states, and its
-    stats (what it was made from), noting where they came from."""
+def _prepared_samples(src: Path, out: Path, base_name: str, keep_states: bool = False):
+    """from_prepared: another prepared dataset's samples without its cached states (with them:
+    `keep_states`), and its stats (what it was made from), noting where they came from."""
     from datasets import DatasetDict, load_from_disk
 
     from data_prep.hidden import AUX
@@ -689,10 +710,11 @@ def _prepared_samples(src: Path, out: Path, base_name: str):
         raise PrepError(
             f"from_prepared={src} cannot be read ({type(e).__name__}: {e}); prepare it again"
         ) from None
-    dd = DatasetDict(
-        {k: ds.remove_columns([c for c in ("hidden", AUX) if c in ds.column_names])
-         for k, ds in dd.items()}
-    )  # fmt: skip
+    if not keep_states:
+        dd = DatasetDict(
+            {k: ds.remove_columns([c for c in ("hidden", AUX) if c in ds.column_names])
+             for k, ds in dd.items()}
+        )  # fmt: skip
     if stats.get("base") != base_name:  # its tokens are another base's: caching would mix them
         raise PrepError(
             f"from_prepared={src} was prepared for base={stats.get('base')}, not {base_name}: "
@@ -700,6 +722,101 @@ def _prepared_samples(src: Path, out: Path, base_name: str):
             "these are)"
         )
     stats["from_prepared"] = str(src.resolve())
+    return dd, stats
+
+
+# Settings of a prepared dataset that merged sources may differ in; each source's are kept in
+# the merged stats' "merged_from", and the top level has the first source's.
+_SOURCE_SETTINGS = (
+    "input", "max_length", "long_conversations", "packed", "regenerated", "mask_method",
+    "reasoning", "train_only_last_turn", "seed", "skip_records",
+)  # fmt: skip
+
+
+def _sample_digests(part) -> np.ndarray:
+    """A 16-byte digest of each sample's token ids, in order (merge's duplicate test)."""
+    out = []
+    for batch in part.with_format("arrow").select_columns(["input_ids"]).iter(BATCH_ROWS):
+        ids = batch.column("input_ids").combine_chunks()
+        offsets = ids.offsets.to_numpy()
+        values = ids.values.to_numpy(zero_copy_only=False).astype(np.int64)
+        for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+            out.append(hashlib.blake2b(values[a:b].tobytes(), digest_size=16).digest())
+    return np.array(out, dtype="S16")
+
+
+def _merged_samples(srcs: list[Path], out: Path, base_name: str, keep_states: bool):
+    """from_prepared=[A, B, ...]: the samples of several prepared datasets of one base, split by
+    split in the order given, e.g. slices of one corpus prepared apart (data.skip_records). A
+    sample whose tokens equal a sample of an earlier source (either split) is dropped and
+    counted, so no validation sample repeats a training one. `keep_states` (cache_hidden=false):
+    the sources' cached states are kept, which needs every source to hold the same ones."""
+    from datasets import DatasetDict, concatenate_datasets
+
+    parts = [_prepared_samples(src, out, base_name, keep_states) for src in srcs]
+    if keep_states:
+        held = [(bool(st.get("cached_hidden")), st.get("cached_aux_layers")) for _, st in parts]
+        if len(set(map(str, held))) > 1:
+            listing = "; ".join(
+                f"{src}: hidden {'yes' if h else 'no'}, aux layers {aux or 'none'}"
+                for src, (h, aux) in zip(srcs, held, strict=True)
+            )
+            raise PrepError(
+                f"from_prepared: the datasets hold different cached states ({listing}); merge "
+                "with cache_hidden=true (and cache_aux_layers as needed) to cache them all anew"
+            )
+    splits = [s for s in SPLITS if any(s in dd for dd, _ in parts)]
+    seen: set[bytes] = set()
+    merged: dict[str, list] = {s: [] for s in splits}
+    sources = []
+    for src, (dd, st) in zip(srcs, parts, strict=True):
+        own: set[bytes] = set()
+        entry = {"path": str(src.resolve()), "samples": {}, "duplicates_dropped": 0}
+        for split in splits:
+            if split not in dd:
+                continue
+            part = dd[split]
+            digests = _sample_digests(part)
+            fresh = np.array([d not in seen for d in digests.tolist()], dtype=bool)
+            if not fresh.all():
+                part = part.select(np.flatnonzero(fresh).tolist())
+            entry["samples"][split] = len(part)
+            entry["duplicates_dropped"] += int((~fresh).sum())
+            own.update(digests.tolist())
+            merged[split].append(part)
+        seen |= own
+        entry.update({k: st.get(k) for k in _SOURCE_SETTINGS})
+        sources.append(entry)
+    try:
+        dd = DatasetDict({s: concatenate_datasets(merged[s]) for s in splits})
+    except ValueError as e:  # e.g. one holds seq_lens or states the other lacks
+        raise PrepError(
+            f"from_prepared: the datasets' columns differ and cannot be merged ({e}); prepare "
+            "them with the same version and options, or merge with cache_hidden=true"
+        ) from None
+    per_split, max_id = _split_stats(dd)
+    first = parts[0][1]
+    skipped = Counter()
+    for _, st in parts:
+        skipped.update(st.get("skipped") or {})
+    dropped = sum(e["duplicates_dropped"] for e in sources)
+    if dropped:
+        skipped["duplicate_across_datasets"] = dropped
+    stats = {
+        **{k: v for k, v in first.items() if k not in ("from_prepared", "sources", "mixture")},
+        "input": [e["input"] for e in sources],
+        "max_length": max(int(st.get("max_length") or 0) for _, st in parts),
+        "records_read": sum(int(st.get("records_read") or 0) for _, st in parts),
+        "conversations_kept": sum(int(st.get("conversations_kept") or 0) for _, st in parts),
+        "skipped": dict(sorted(skipped.items())),
+        "skipped_total": int(sum(skipped.values())),
+        "warnings": [w for _, st in parts for w in st.get("warnings") or []],
+        "tokens_total": sum(v["tokens"] for v in per_split.values()),
+        "trainable_tokens_total": sum(v["trainable_tokens"] for v in per_split.values()),
+        "splits": per_split,
+        "max_token_id": max_id,
+        "merged_from": sources,
+    }
     return dd, stats
 
 
@@ -737,7 +854,8 @@ def _regen_device(device: str) -> str:
     return device
 
 
-def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths, tokenizer) -> dict:
+def _split_stats(dd) -> tuple[dict[str, dict], int]:
+    """Each split's sample and token counts and length percentiles, and the largest token id."""
     per_split = {}
     max_id = 0
     for split, part in dd.items():
@@ -751,11 +869,17 @@ def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths, tokenizer) ->
         for ids in part.with_format("arrow").select_columns(["input_ids"]).iter(BATCH_ROWS):
             top = pc.max(ids.column("input_ids").combine_chunks().flatten()).as_py()
             max_id = max(max_id, int(top or 0))
+    return per_split, max_id
+
+
+def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths, tokenizer) -> dict:
+    per_split, max_id = _split_stats(dd)
     pieces = column_array(kept, "piece")
     return {
         "input": read_info["input"],
         "base": cfg.base.name,
         "records_read": read_info["records_read"],
+        "skip_records": cfg.data.skip_records,
         "conversations_kept": int((pieces == 0).sum()),
         "skipped": dict(sorted(skips.counts.items())),
         "skipped_total": int(sum(skips.counts.values())),
