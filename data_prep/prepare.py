@@ -733,6 +733,13 @@ _SOURCE_SETTINGS = (
 )  # fmt: skip
 
 
+# Counts of a prepared dataset that a merge adds up.
+_SUMMED = (
+    "leading_assistant_turns_dropped", "trailing_user_turns_dropped", "conversations_split",
+    "conversations_over_max_length",
+)  # fmt: skip
+
+
 def _sample_digests(part) -> np.ndarray:
     """A 16-byte digest of each sample's token ids, in order (merge's duplicate test)."""
     out = []
@@ -810,7 +817,13 @@ def _merged_samples(srcs: list[Path], out: Path, base_name: str, keep_states: bo
         "conversations_kept": sum(int(st.get("conversations_kept") or 0) for _, st in parts),
         "skipped": dict(sorted(skipped.items())),
         "skipped_total": int(sum(skipped.values())),
+        "skipped_examples": {
+            k: [x for _, st in parts for x in (st.get("skipped_examples") or {}).get(k, [])][:3]
+            for k in sorted({k for _, st in parts for k in st.get("skipped_examples") or {}})
+        },
         "warnings": [w for _, st in parts for w in st.get("warnings") or []],
+        **{k: sum(int(st.get(k) or 0) for _, st in parts) for k in _SUMMED},
+        "conversation_token_percentiles": None,  # each dataset's are in its own stats
         "tokens_total": sum(v["tokens"] for v in per_split.values()),
         "trainable_tokens_total": sum(v["trainable_tokens"] for v in per_split.values()),
         "splits": per_split,

@@ -18,7 +18,11 @@ def print_stats(stats: dict[str, Any], out: str) -> None:
     t = Table(title=f"prep: {out}", show_header=False)
     t.add_column("what")
     t.add_column("value", justify="right")
-    t.add_row("input", stats["input"])
+    inputs = stats["input"] if isinstance(stats["input"], list) else [stats["input"]]
+    t.add_row("input", "\n".join(map(str, inputs)))
+    for src in stats.get("merged_from") or []:  # from_prepared=[A, B, ...]
+        n = " + ".join(f"{v:,} {k}" for k, v in src["samples"].items())
+        t.add_row(f"  from {src['path']}", f"{n}, {src['duplicates_dropped']:,} repeats dropped")
     t.add_row("records read", f"{stats['records_read']:,}")
     t.add_row("conversations kept", f"{stats['conversations_kept']:,}")
     t.add_row("skipped (total)", f"{stats['skipped_total']:,}")

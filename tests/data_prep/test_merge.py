@@ -10,6 +10,7 @@ import datasets
 import pytest
 
 from data_prep.prepare import PrepError, prepare
+from launch.commands.prep import print_stats
 from tests.helpers import conv, prep_config
 from train.core.errors import UserError
 from train.data import check_prepared, load_prepared
@@ -65,7 +66,7 @@ def test_slices_prepared_apart_merge_into_the_whole(tmp_path):
     assert stats["cached_hidden"] is False and "duplicate_across_datasets" not in stats["skipped"]
 
 
-def test_merge_drops_repeats_and_keeps_the_cached_states(tmp_path):
+def test_merge_drops_repeats_and_keeps_the_cached_states(tmp_path, capsys, monkeypatch):
     data = _corpus(tmp_path)
     a = _slice(tmp_path, "a", data, 0, 30, "cache_hidden=true")
     b = _slice(tmp_path, "b", data, 20, 20, "cache_hidden=true")  # records 20..29 repeat a's
@@ -75,6 +76,10 @@ def test_merge_drops_repeats_and_keeps_the_cached_states(tmp_path):
     assert repeats > 0 and stats["skipped"]["duplicate_across_datasets"] == repeats
     assert stats["merged_from"][1]["duplicates_dropped"] == repeats
     assert stats["cached_hidden"] is True
+    monkeypatch.setenv("COLUMNS", "300")  # no wrapped rows
+    print_stats(stats, str(merged))  # the CLI's summary of a merge
+    shown = capsys.readouterr().out
+    assert f"{repeats} repeats dropped" in shown and "records read" in shown
     ids = [c for s in _samples(merged).values() for c, _ in s]
     assert sorted(ids) == sorted(f"c{i}" for i in range(40))  # each conversation once
     check_prepared(merged, offline=True)  # offline training takes it as it is
