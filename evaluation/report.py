@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from evaluation.config import ReportConfig
-from evaluation.stats import intervals, with_ci
+from evaluation.stats import intervals, item_sums, paired_tau, with_ci
 from train.core.atomic import write_text
 from train.core.errors import UserError
 from train.decoding.generation import STEP_PARTS
@@ -244,6 +244,7 @@ def load_run(name: str, path: Path, train_hint: Path | None = None) -> dict[str,
             "suite": (ev.get("prompts") or {}).get("suite"),
             "by_category": ev.get("by_category") or {},
             "new_tokens": ev.get("new_tokens"),
+            "item_sums": item_sums(ev.get("records") or []),  # for paired comparisons
             **{k: ev.get(k) or {} for k in ("sampling", "hardware")},
             **{k: ev.get(k) for k in ("setup_s", "spec_s", "plain_s")},
         }
@@ -271,6 +272,24 @@ def config_diff(runs: list[dict]) -> dict[str, list[Any]]:
         if len({json.dumps(v, default=str) for v in vals}) > 1:
             diff[k] = vals
     return diff
+
+
+def paired(runs: list[dict]) -> dict[str, Any] | None:
+    """Every other run's τ against the first run's, paired over the prompts both decoded (the
+    same suite): what tells a real gain from the spread of the prompts. None when the first
+    run has no eval records or no other run shares its prompts."""
+    ref = runs[0].get("eval", {}) if runs else {}
+    if not ref.get("item_sums"):
+        return None
+    rows = []
+    for r in runs[1:]:
+        ev = r.get("eval", {})
+        if not ev.get("item_sums") or ev.get("suite") != ref.get("suite"):
+            continue
+        cmp = paired_tau(ref["item_sums"], ev["item_sums"])
+        if cmp is not None:
+            rows.append({"name": r["name"], **cmp})
+    return {"reference": runs[0]["name"], "rows": rows} if rows else None
 
 
 def _sort_key(sort_by: str):
@@ -535,6 +554,20 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 
             rows.append([r["name"]] + [cell(by[c]) if c in by else "–" for c in cats])
         out.append(("τ [95% CI] / speedup by prompt category", ["run", *cats], rows))
+    pair = report.get("paired")
+    if pair:  # τ against the first run, paired over the prompts both decoded
+        rows = [
+            [
+                p["name"],
+                str(p["items"]),
+                f"{p['tau_ref']:.3f} -> {p['tau']:.3f}",
+                with_ci(p["ratio"], p["ratio_ci95"], ".3f", "x"),
+                with_ci(p["diff"], p["diff_ci95"], "+.3f"),
+            ]
+            for p in pair["rows"]
+        ]
+        header = ["run", "shared items", "τ", "τ ratio [95% CI]", "τ difference [95% CI]"]
+        out.append((f"τ against {pair['reference']} on the same prompts (paired)", header, rows))
     rows = []
     for r in runs:
         ev = r.get("eval", {})
@@ -568,6 +601,14 @@ GAP_NOTE = (
 )
 
 
+PAIRED_NOTE = (
+    "Paired: one cluster bootstrap over the prompts both runs decoded draws the same prompts "
+    "for both, so a prompt's own difficulty cancels out. An interval that excludes 1.000x "
+    "(difference: 0) is a gain or a loss beyond the spread of the prompts, even where the two "
+    "runs' own τ intervals overlap."
+)
+
+
 def _markdown(report: dict) -> str:
     lines = [f"# {report['title']}", "", f"{len(report['runs'])} run(s); {report['created']}.", ""]
     for title, header, rows in _tables(report):
@@ -578,6 +619,8 @@ def _markdown(report: dict) -> str:
         lines.append("")
         if title.startswith("Leaderboard"):
             lines += [GAP_NOTE, ""]
+        if title.startswith("τ against"):
+            lines += [PAIRED_NOTE, ""]
     notes = [w for r in report["runs"] for w in r.get("warnings", [])]
     if notes:
         lines += ["## Notes", "", *(f"- {w}" for w in notes), ""]
@@ -620,6 +663,8 @@ def _html(report: dict, out: Path) -> str:
         parts.append("</table>")
         if title.startswith("Leaderboard"):
             parts.append(f"<p class='note'>{e(GAP_NOTE)}</p>")
+        if title.startswith("τ against"):
+            parts.append(f"<p class='note'>{e(PAIRED_NOTE)}</p>")
     notes = [w for r in report["runs"] for w in r.get("warnings", [])]
     if notes:
         parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{e(w)}</li>" for w in notes) + "</ul>")
@@ -667,6 +712,7 @@ def build_report(cfg: ReportConfig) -> Report:
         "sort_by": cfg.sort_by,
         "leaderboard": leaderboard(runs, cfg.sort_by),
         "config_diff": config_diff(runs),
+        "paired": paired(runs),
         "runs": runs,
         "plots": plots,
     }

@@ -95,6 +95,46 @@ def speedup_ci(records: Sequence[dict]) -> list[float] | None:
         return bootstrap_ci(sums, lambda t: (t[:, 0] / t[:, 1]) / (t[:, 2] / t[:, 3]))
 
 
+def item_sums(records: Sequence[dict]) -> dict[str, list[float]]:
+    """Per item (an MT-Bench question, ...): [tokens emitted by verify steps, verify steps],
+    summed over its turns; what a paired comparison of two evals resamples."""
+    index: dict[str, list[float]] = {}
+    for rec in records:
+        v, s = index.setdefault(str(rec["item"]), [0.0, 0.0])
+        index[str(rec["item"])] = [v + _verified(rec), s + rec["steps"]]
+    return index
+
+
+def paired_tau(ref: dict[str, list[float]], run: dict[str, list[float]]) -> dict | None:
+    """τ of `run` against τ of `ref` (item_sums of two evals) on the items both decoded: the
+    ratio and the difference, each with a 95% interval from one bootstrap that draws the same
+    items for both. Paired, an item's own difficulty cancels out, so the interval is much
+    narrower than the two runs' own intervals side by side. None under two shared items."""
+    shared = [i for i in ref if i in run]
+    if len(shared) < 2:
+        return None
+    sums = np.array([[*ref[i], *run[i]] for i in shared], dtype=np.float64)
+    tot = sums.sum(axis=0)
+    tau_ref, tau_run = tot[0] / tot[1], tot[2] / tot[3]
+
+    def ratio(t: np.ndarray) -> np.ndarray:
+        return (t[:, 2] / t[:, 3]) / (t[:, 0] / t[:, 1])
+
+    def diff(t: np.ndarray) -> np.ndarray:
+        return t[:, 2] / t[:, 3] - t[:, 0] / t[:, 1]
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return {
+            "items": len(shared),
+            "tau_ref": float(tau_ref),
+            "tau": float(tau_run),
+            "ratio": float(tau_run / tau_ref),
+            "ratio_ci95": bootstrap_ci(sums, ratio),
+            "diff": float(tau_run - tau_ref),
+            "diff_ci95": bootstrap_ci(sums, diff),
+        }
+
+
 def intervals(records: Sequence[dict]) -> dict[str, list[float] | None]:
     """eval.json's interval fields for `records`."""
     return {"tau_ci95": tau_ci(records), "speedup_ci95": speedup_ci(records)}
@@ -110,4 +150,7 @@ def with_ci(value: float | None, ci: list[float] | None, spec: str = ".3f", unit
     return f"{value:{spec}}{unit} [{ci[0]:{spec}}, {ci[1]:{spec}}]"
 
 
-__all__ = ["METHOD", "bootstrap_ci", "intervals", "speedup_ci", "tau_ci", "with_ci"]
+__all__ = [
+    "METHOD", "bootstrap_ci", "intervals", "item_sums", "paired_tau", "speedup_ci", "tau_ci",
+    "with_ci",
+]  # fmt: skip

@@ -30,6 +30,21 @@ def print_leaderboard(data: dict[str, Any]) -> None:
             fmt(r["val_loss"], 2),
         )
     Console().print(t)
+    pair = data.get("paired")
+    if pair:  # τ against the first run, paired over the same prompts
+        from evaluation.stats import with_ci
+
+        p = Table(title=f"tau against {pair['reference']} on the same prompts (paired)")
+        for col in ("run", "items", "tau ratio [95% CI]", "tau difference [95% CI]"):
+            p.add_column(col, justify="left" if col == "run" else "right")
+        for r in pair["rows"]:
+            p.add_row(
+                r["name"],
+                str(r["items"]),
+                with_ci(r["ratio"], r["ratio_ci95"], ".3f", "x"),
+                with_ci(r["diff"], r["diff_ci95"], "+.3f"),
+            )
+        Console().print(p)
 
 
 def run(cfg) -> dict[str, Any]:

@@ -197,3 +197,49 @@ def test_an_eval_json_without_intervals_gets_them_from_its_records(tmp_path):
     assert 1.5 < lo < 1.75 < hi < 2.0
     assert rep.data["runs"][0]["eval"]["speedup_ci95"] is None  # no plain times recorded
     assert "| 1 | old | hydra | 2 | 1.750 [" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_runs_on_the_same_prompts_get_a_paired_comparison(tmp_path):
+    """The second run's tau against the first's, paired over their shared prompts, in the
+    report's json and markdown; runs of another suite are left out of it."""
+    recs_a = [{"item": f"q{i}", "steps": 20, "accepted": 10 + 3 * i} for i in range(6)]
+    recs_b = [dict(r, accepted=r["accepted"] + 2) for r in recs_a]
+    a = make_run(
+        tmp_path,
+        "a",
+        tau=1.9,
+        speedup=1.0,
+        top1=[0.2, 0.1],
+        lr=1e-3,
+        with_train=False,
+        extra={"records": recs_a, "prompts": {"suite": "mt_bench", "items": 6}},
+    )
+    b = make_run(
+        tmp_path,
+        "b",
+        tau=2.0,
+        speedup=1.0,
+        top1=[0.2, 0.1],
+        lr=1e-3,
+        with_train=False,
+        extra={"records": recs_b, "prompts": {"suite": "mt_bench", "items": 6}},
+    )
+    c = make_run(
+        tmp_path,
+        "c",
+        tau=2.0,
+        speedup=1.0,
+        top1=[0.2, 0.1],
+        lr=1e-3,
+        with_train=False,
+        extra={"records": recs_b, "prompts": {"suite": "humaneval", "items": 6}},
+    )
+    rep = build_report(report_config([str(a / "eval"), str(b / "eval"), str(c / "eval")],
+                                     str(tmp_path / "r")))  # fmt: skip
+    pair = rep.data["paired"]
+    assert pair["reference"] == "a" and [r["name"] for r in pair["rows"]] == ["b"]
+    row = pair["rows"][0]
+    assert row["diff"] == pytest.approx(0.1) and row["diff_ci95"][0] == pytest.approx(0.1)
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "## τ against a on the same prompts (paired)" in md
+    assert "| b | 6 | " in md and "+0.100 [+0.100, +0.100]" in md

@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evaluation.stats import bootstrap_ci, intervals, speedup_ci, tau_ci, with_ci
+from evaluation.stats import (
+    bootstrap_ci,
+    intervals,
+    item_sums,
+    paired_tau,
+    speedup_ci,
+    tau_ci,
+    with_ci,
+)
 
 
 def _rec(item: str, steps: int, accepted: int, **kw) -> dict:
@@ -82,3 +90,31 @@ def test_with_ci_formats_value_and_interval():
 def test_bad_shapes_fail_clearly():
     with pytest.raises(ValueError, match="items x quantities"):
         bootstrap_ci(np.ones(4), lambda t: t)
+
+
+def test_paired_interval_sees_a_small_gain_that_the_two_intervals_hide():
+    """Prompts differ a lot (tau 1.3 to 3.0) and run B gains 4% on every one: B's own interval
+    overlaps A's, but the paired ratio's excludes 1 and holds the true 1.04x."""
+    rng = np.random.default_rng(3)
+    base = rng.uniform(0.3, 2.0, size=24)  # accepted per step, per prompt
+    a = [_rec(f"q{i}", 100, int(round(100 * x))) for i, x in enumerate(base)]
+    b = [_rec(f"q{i}", 100, int(round(100 * ((1 + x) * 1.04 - 1)))) for i, x in enumerate(base)]
+    lo_a, hi_a = tau_ci(a)
+    lo_b, hi_b = tau_ci(b)
+    assert lo_b < hi_a  # side by side, the gain is inside the spread
+    cmp = paired_tau(item_sums(a), item_sums(b))
+    assert cmp["items"] == 24 and cmp["ratio"] == pytest.approx(1.04, abs=0.002)
+    lo, hi = cmp["ratio_ci95"]
+    assert 1.0 < lo < 1.04 < hi < 1.08
+    assert cmp["diff_ci95"][0] > 0
+    same = paired_tau(item_sums(a), item_sums(a))
+    assert same["ratio_ci95"] == [pytest.approx(1.0), pytest.approx(1.0)]
+
+
+def test_paired_uses_the_shared_items_and_needs_two():
+    a = [_rec("q1", 10, 10, turn=0), _rec("q1", 10, 0, turn=1), _rec("q2", 10, 5)]
+    b = [_rec("q2", 10, 10), _rec("q3", 10, 10)]
+    assert item_sums(a) == {"q1": [30.0, 20.0], "q2": [15.0, 10.0]}  # turns summed per item
+    assert paired_tau(item_sums(a), item_sums(b)) is None  # one shared item
+    cmp = paired_tau(item_sums(a), item_sums(b + [_rec("q1", 10, 10)]))
+    assert cmp["items"] == 2 and cmp["tau_ref"] == pytest.approx(45 / 30)
