@@ -204,38 +204,14 @@ def test_runs_on_the_same_prompts_get_a_paired_comparison(tmp_path):
     report's json and markdown; runs of another suite are left out of it."""
     recs_a = [{"item": f"q{i}", "steps": 20, "accepted": 10 + 3 * i} for i in range(6)]
     recs_b = [dict(r, accepted=r["accepted"] + 2) for r in recs_a]
-    a = make_run(
-        tmp_path,
-        "a",
-        tau=1.9,
-        speedup=1.0,
-        top1=[0.2, 0.1],
-        lr=1e-3,
-        with_train=False,
-        extra={"records": recs_a, "prompts": {"suite": "mt_bench", "items": 6}},
-    )
-    b = make_run(
-        tmp_path,
-        "b",
-        tau=2.0,
-        speedup=1.0,
-        top1=[0.2, 0.1],
-        lr=1e-3,
-        with_train=False,
-        extra={"records": recs_b, "prompts": {"suite": "mt_bench", "items": 6}},
-    )
-    c = make_run(
-        tmp_path,
-        "c",
-        tau=2.0,
-        speedup=1.0,
-        top1=[0.2, 0.1],
-        lr=1e-3,
-        with_train=False,
-        extra={"records": recs_b, "prompts": {"suite": "humaneval", "items": 6}},
-    )
-    rep = build_report(report_config([str(a / "eval"), str(b / "eval"), str(c / "eval")],
-                                     str(tmp_path / "r")))  # fmt: skip
+    dirs = [
+        make_run(tmp_path, name, tau=tau, speedup=1.0, top1=[0.2, 0.1], lr=1e-3,
+                 with_train=False, extra={"records": recs, "prompts": {"suite": suite}})
+        for name, tau, recs, suite in (("a", 1.9, recs_a, "mt_bench"),
+                                       ("b", 2.0, recs_b, "mt_bench"),
+                                       ("c", 2.0, recs_b, "humaneval"))
+    ]  # fmt: skip
+    rep = build_report(report_config([str(d / "eval") for d in dirs], str(tmp_path / "r")))
     pair = rep.data["paired"]
     assert pair["reference"] == "a" and [r["name"] for r in pair["rows"]] == ["b"]
     row = pair["rows"][0]
