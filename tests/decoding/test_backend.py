@@ -113,6 +113,19 @@ def test_packed_layout_decodes_the_same_tokens_and_skips_what_it_cannot_help(tin
         use_weight_layout(model, layout="nn")
 
 
+def _onednn_packs_bf16() -> bool:
+    try:
+        backend.pack(torch.zeros(8, 8, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    not _onednn_packs_bf16(),
+    reason="this CPU's oneDNN cannot reorder bf16 weights (it needs AVX512-BW/VL/DQ or "
+    "AVX-NE-CONVERT); test_a_dtype_that_cannot_be_packed_keeps_torch_s_matmul covers it",
+)
 def test_bf16_weights_are_packed_too_and_decode_as_the_standard_layout(tiny_base):
     """A bf16 base's linears get bf16 packed copies (oneDNN reorders a bf16 weight at every
     call otherwise: on a 2-core Sapphire Rapids SmolLM2's linears took 35 ms a step against 25
@@ -147,11 +160,40 @@ def test_auto_packs_bf16_untimed_where_the_cpu_has_bf16_units(tiny_base, monkeyp
 
     monkeypatch.setattr(backend, "packed_rows", fake)
     monkeypatch.setattr(backend, "cpu_has_bf16", lambda: units)
+    # the choice alone, on any CPU: a stand-in copy (real bf16 packing needs AVX-512)
+    monkeypatch.setattr(backend, "pack", lambda w: w.detach().clone())
     bf16 = copy.deepcopy(tiny_base.model).to(torch.bfloat16)
     chosen = use_weight_layout(bf16, copy.deepcopy(tiny_base.model))
     assert chosen and all(v == ("1+" if k.endswith("bfloat16") and units else "1-3")
                           for k, v in chosen.items())  # fmt: skip
     assert set(timed) == ({torch.float32} if units else {torch.float32, torch.bfloat16})
+
+
+def test_a_dtype_that_cannot_be_packed_keeps_torch_s_matmul(tiny_base, monkeypatch):
+    """Where oneDNN cannot reorder bf16 weights (an AMD EPYC with AVX2 only), a bf16 base keeps
+    torch's bf16 matmul and its float32 heads still get packed copies; layout=packed names the
+    weights it cannot pack. Before, one refusal left every weight unpacked."""
+    real = backend.pack
+
+    def float32_only(weight):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support")
+        return real(weight)
+
+    monkeypatch.setattr(backend, "pack", float32_only)
+    monkeypatch.setattr(backend, "cpu_has_bf16", lambda: False)
+    # the timing says "packed" at every row count, whatever this machine measures
+    monkeypatch.setattr(
+        backend, "packed_rows", lambda w, p: (False,) + (True,) * backend.PROBE_ROWS[-1]
+    )
+    bf16 = copy.deepcopy(tiny_base.model).to(torch.bfloat16)
+    heads = copy.deepcopy(tiny_base.model)  # float32 weights beside the bf16 ones
+    chosen = use_weight_layout(bf16, heads, layout="auto")
+    assert chosen and not any("bfloat16" in k for k in chosen)
+    assert not any(isinstance(m, PackedLinear) for m in bf16.modules())
+    assert sum(isinstance(m, PackedLinear) for m in heads.modules()) > 0
+    with pytest.raises(BackendError, match=r"cannot prepack the \d+x\d+ bfloat16 weights"):
+        use_weight_layout(copy.deepcopy(tiny_base.model).to(torch.bfloat16), layout="packed")
 
 
 def test_a_torch_that_cannot_pack_keeps_the_standard_layout(tiny_base, monkeypatch):

@@ -296,15 +296,20 @@ def use_weight_layout(
     groups: dict[tuple[int, int, torch.dtype], dict[int, torch.Tensor]] = {}
     for _, _, lin in linears:
         groups.setdefault(_group(lin.weight), {})[id(lin.weight)] = lin.weight
-    try:
-        packed = {key: pack(w) for group in groups.values() for key, w in group.items()}
-    except RuntimeError as e:  # a torch build whose oneDNN cannot reorder for this CPU
-        if layout == "packed":
-            raise BackendError(
-                f"{key}=packed: this torch cannot prepack weights for oneDNN here ({e}); "
-                f"use {key}=auto or standard"
-            ) from e
-        return {}
+    # Each (shape, dtype) is packed on its own: a dtype this CPU's oneDNN cannot reorder (bf16
+    # without AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AMD EPYC with AVX2 only) keeps torch's own
+    # matmul, and the other groups (a bf16 base's float32 heads) still get their copies.
+    packed: dict[int, torch.Tensor] = {}
+    for g in list(groups):
+        try:
+            packed.update({k: pack(w) for k, w in groups[g].items()})
+        except RuntimeError as e:  # a torch build whose oneDNN cannot reorder for this CPU
+            if layout == "packed":
+                raise BackendError(
+                    f"{key}=packed: this torch cannot prepack the {_shape_name(g)} weights "
+                    f"for oneDNN on this CPU ({e}); use {key}=auto or standard"
+                ) from e
+            del groups[g]
     every = (False,) + (True,) * PROBE_ROWS[-1]
     # bf16 on a CPU with bf16 units: packed at every count, untimed. torch's own bf16 matmul is
     # the same oneDNN kernel after a reorder of the weight at every call, so it is never
@@ -317,7 +322,7 @@ def use_weight_layout(
         for g, ws in groups.items()
     }
     for parent, name, lin in linears:
-        take = chosen[_group(lin.weight)]
+        take = chosen.get(_group(lin.weight), ())
         if any(take):
             setattr(parent, name, PackedLinear(lin, take, packed[id(lin.weight)]))
     return {_shape_name(g): _spans(t) for g, t in chosen.items() if any(t)}
