@@ -19,6 +19,7 @@ from train.core.checkpoint import (
     CONFIG_FILE,
     FORMAT,
     HEADS_FILE,
+    VERSION,
     CheckpointError,
     FormatTooNewError,
     migrate,
@@ -162,11 +163,12 @@ def test_v3_checkpoint_gets_no_fused_layers_and_loads(tmp_path, tiny_base):
 
 def test_a_future_format_names_the_file_the_format_and_the_fix(tmp_path, tiny_base):
     d = _saved(tmp_path, tiny_base)
-    _edit_meta(d, lambda m: m.update(format="hydra-heads/5"))
+    newer = f"hydra-heads/{VERSION + 1}"  # the next format, whatever the current one is
+    _edit_meta(d, lambda m: m.update(format=newer))
     with pytest.raises(FormatTooNewError) as e:
         load_heads(d)
     msg = str(e.value)
-    assert str(d / CONFIG_FILE) in msg and "'hydra-heads/5'" in msg and "upgrade hydra-heads" in msg
+    assert str(d / CONFIG_FILE) in msg and f"'{newer}'" in msg and "upgrade hydra-heads" in msg
     _edit_meta(d, lambda m: m.update(format="other-tool/1"))
     with pytest.raises(CheckpointError, match="not a hydra-heads heads checkpoint"):
         load_heads(d)
