@@ -54,16 +54,21 @@ def bootstrap_ci(
     return [float(lo), float(hi)]
 
 
-def _by_item(records: Sequence[dict], fields: Callable[[dict], list[float]]) -> np.ndarray:
+def _item_sums(records: Sequence[dict], fields: Callable[[dict], list[float]]) -> dict:
     """Per item (in order of first appearance), the sums of `fields` over its records."""
-    index: dict[str, int] = {}
-    rows: list[list[float]] = []
+    sums: dict = {}
     for rec in records:
-        values = fields(rec)
-        i = index.setdefault(rec["item"], len(rows))
-        if i == len(rows):
-            rows.append([0.0] * len(values))
-        rows[i] = [a + b for a, b in zip(rows[i], values, strict=True)]
+        values = [float(v) for v in fields(rec)]
+        prev = sums.get(rec["item"])
+        sums[rec["item"]] = (
+            values if prev is None else [a + b for a, b in zip(prev, values, strict=True)]
+        )
+    return sums
+
+
+def _by_item(records: Sequence[dict], fields: Callable[[dict], list[float]]) -> np.ndarray:
+    """The rows of `_item_sums`: items x fields."""
+    rows = list(_item_sums(records, fields).values())
     return np.array(rows, dtype=np.float64).reshape(len(rows), -1)
 
 
@@ -75,11 +80,16 @@ def _verified(rec: dict) -> float:
     return round(rec["tau"] * rec["steps"])
 
 
+def _tau_fields(rec: dict) -> list[float]:
+    """What tau sums per item: tokens emitted by verify steps, verify steps."""
+    return [_verified(rec), rec["steps"]]
+
+
 def tau_ci(records: Sequence[dict]) -> list[float] | None:
     """95% interval of tau over eval.json `records` (None under two items or no steps)."""
     if not records:
         return None
-    sums = _by_item(records, lambda r: [_verified(r), r["steps"]])
+    sums = _by_item(records, _tau_fields)
     with np.errstate(divide="ignore", invalid="ignore"):
         return bootstrap_ci(sums, lambda t: t[:, 0] / t[:, 1])
 
@@ -98,11 +108,7 @@ def speedup_ci(records: Sequence[dict]) -> list[float] | None:
 def item_sums(records: Sequence[dict]) -> dict[str, list[float]]:
     """Per item (an MT-Bench question, ...): [tokens emitted by verify steps, verify steps],
     summed over its turns; what a paired comparison of two evals resamples."""
-    index: dict[str, list[float]] = {}
-    for rec in records:
-        v, s = index.setdefault(str(rec["item"]), [0.0, 0.0])
-        index[str(rec["item"])] = [v + _verified(rec), s + rec["steps"]]
-    return index
+    return {str(item): sums for item, sums in _item_sums(records, _tau_fields).items()}
 
 
 def paired_tau(ref: dict[str, list[float]], run: dict[str, list[float]]) -> dict | None:
