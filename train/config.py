@@ -65,6 +65,10 @@ class TrainDataConfig(ConfigModel):
     batch_size: Positive  # sequences per device per step
     val_batch_size: Annotated[int, check(lambda v: v >= 1, "a positive integer or null")] | None
     max_length: Annotated[int, check(lambda v: v >= 8, "null or an integer >= 8")] | None
+    # validation's cut (null: max_length), so short training windows are scored on long contexts
+    val_max_length: Annotated[int, check(lambda v: v >= 8, "null or an integer >= 8")] | None
+    # which max_length window of a longer training sample: its start, or the most loss tokens
+    crop: Literal["start", "supervised"]
     bucket_batches: Positive  # batches per length bucket: larger = less padding, less mixing
     shuffle: bool
     num_workers: NonNegative

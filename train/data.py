@@ -241,14 +241,35 @@ def resume_position(steps: int, epoch_batches: int, accumulate: int = 1) -> tupl
 STATE_COLUMNS = ("hidden", "aux_hidden")  # cached base states (prep cache_hidden=true)
 
 
-def collate(cols: dict[str, Any], pad_id: int, max_length: int | None) -> dict:
+CROPS = ("start", "supervised")  # which max_length window of a longer sample is trained on
+
+
+def window_start(loss_mask: np.ndarray, n: int) -> int:
+    """Start of the n-token window of a sample that holds the most loss tokens (the earliest of
+    equal windows; 0 when the sample fits)."""
+    if len(loss_mask) <= n:
+        return 0
+    cs = np.concatenate(([0], np.cumsum(np.asarray(loss_mask) > 0)))
+    return int(np.argmax(cs[n:] - cs[:-n]))
+
+
+def collate(cols: dict[str, Any], pad_id: int, max_length: int | None, crop: str = "start") -> dict:
     """Right-padded tensors: input_ids, attention_mask, loss_mask, segment_ids (+ the cached
     states: hidden, and EAGLE-3's fused layers as aux_hidden).
 
     cols: a batch of rows as columns (what `datasets` returns for a list of indices).
+    crop: a sample longer than max_length keeps its first max_length tokens ("start"), or the
+    window of max_length tokens with the most loss tokens ("supervised"; cached states are cut
+    from the same window).
     """
+    if crop not in CROPS:
+        raise ValueError(f"crop={crop!r}: expected one of {', '.join(CROPS)}")
     ids_rows = cols["input_ids"]
     lens = [min(len(x), max_length or 1 << 30) for x in ids_rows]
+    starts = [
+        window_start(cols["loss_mask"][i], n) if crop == "supervised" else 0
+        for i, n in enumerate(lens)
+    ]
     T, B = max(lens), len(ids_rows)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     attn = torch.zeros((B, T), dtype=torch.long)
@@ -257,14 +278,14 @@ def collate(cols: dict[str, Any], pad_id: int, max_length: int | None) -> dict:
     states = {
         c: torch.zeros((B, T, np.asarray(cols[c][0]).shape[-1])) for c in STATE_COLUMNS if c in cols
     }
-    for i, n in enumerate(lens):
-        ids[i, :n] = torch.from_numpy(np.asarray(ids_rows[i][:n], dtype=np.int64))
+    for i, (n, a) in enumerate(zip(lens, starts, strict=True)):
+        ids[i, :n] = torch.from_numpy(np.asarray(ids_rows[i][a : a + n], dtype=np.int64))
         attn[i, :n] = 1
-        lmask[i, :n] = torch.from_numpy(np.asarray(cols["loss_mask"][i][:n]) > 0)
+        lmask[i, :n] = torch.from_numpy(np.asarray(cols["loss_mask"][i][a : a + n]) > 0)
         seg_lens = np.asarray(cols["seq_lens"][i])
-        seg[i, :n] = torch.from_numpy(np.repeat(np.arange(len(seg_lens)), seg_lens)[:n])
+        seg[i, :n] = torch.from_numpy(np.repeat(np.arange(len(seg_lens)), seg_lens)[a : a + n])
         for c, t in states.items():
-            t[i, :n] = torch.from_numpy(np.asarray(cols[c][i][:n], dtype=np.float32))
+            t[i, :n] = torch.from_numpy(np.asarray(cols[c][i][a : a + n], dtype=np.float32))
     out = {"input_ids": ids, "attention_mask": attn, "loss_mask": lmask, "segment_ids": seg}
     return {**out, **states}
 
@@ -272,18 +293,25 @@ def collate(cols: dict[str, Any], pad_id: int, max_length: int | None) -> dict:
 class _Batches(torch.utils.data.Dataset):
     """A datasets.Dataset read one whole batch of indices at a time (one Arrow take per batch)."""
 
-    def __init__(self, ds, pad_id: int, max_length: int | None, with_hidden: bool | str = False):
+    def __init__(
+        self,
+        ds,
+        pad_id: int,
+        max_length: int | None,
+        with_hidden: bool | str = False,
+        crop: str = "start",
+    ):
         cols = ["input_ids", "loss_mask", "seq_lens"]
         if with_hidden:  # the last hidden state, and EAGLE-3's fused layers when they are read
             cols += ["hidden"] + (["aux_hidden"] if with_hidden == "aux" else [])
         self.ds = ds.with_format("numpy", columns=cols)
-        self.pad_id, self.max_length = pad_id, max_length
+        self.pad_id, self.max_length, self.crop = pad_id, max_length, crop
 
     def __len__(self) -> int:
         return len(self.ds)
 
     def __getitem__(self, indices: list[int]) -> dict:
-        return collate(self.ds[indices], self.pad_id, self.max_length)
+        return collate(self.ds[indices], self.pad_id, self.max_length, self.crop)
 
 
 def train_subset(ds, n: int | None, seed: int):
@@ -315,14 +343,18 @@ class PreparedDataModule(pl.LightningDataModule):
         if self.dd is None:
             self.dd = load_prepared(self.cfg.prepared, self.vocab_size, self.cfg.offline)
 
-    def _loader(self, ds, batch_sampler) -> DataLoader:
+    def _loader(self, ds, batch_sampler, crop: str = "start", val: bool = False) -> DataLoader:
         # The sampler yields whole batches of indices; batch_size=None hands each to _Batches.
+        cut = self.cfg.max_length
+        if val and self.cfg.val_max_length is not None:
+            cut = self.cfg.val_max_length
         return DataLoader(
             _Batches(
                 ds,
                 self.pad_id,
-                self.cfg.max_length,
+                cut,
                 with_hidden=self.cfg.offline and ("aux" if self.aux else True),
+                crop=crop,
             ),  # fmt: skip
             sampler=batch_sampler,
             batch_size=None,
@@ -363,7 +395,7 @@ class PreparedDataModule(pl.LightningDataModule):
                     skip,
                     per_epoch,
                 )
-        return self._loader(ds, sampler)
+        return self._loader(ds, sampler, self.cfg.crop)
 
     def val_dataloader(self) -> DataLoader | list:
         self.setup()
@@ -379,4 +411,7 @@ class PreparedDataModule(pl.LightningDataModule):
         sampler = BucketBatchSampler(
             np.asarray(ds["length"]), bs, self.seed, False, self.cfg.bucket_batches, rank, world
         )
-        return self._loader(ds, sampler)
+        # Validation always reads each sample from its start, as decoding does (data.crop
+        # shapes training only), so runs with different crops are scored on the same tokens;
+        # data.val_max_length lets short training windows be scored on longer contexts.
+        return self._loader(ds, sampler, val=True)

@@ -165,16 +165,19 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     # is its own, trained (in P_heads)
     if cfg.head.name in RECURRENT and cfg.head.name not in UNROLLED:
         rows["heads frozen lm head"] = V_out * H * 4
-    # base forward (no grad): one layer's transients + the hidden states kept for the heads
+    # base forward (no grad): one layer's transients + the hidden states kept for the heads;
+    # validation runs it too, on its own cut (data.val_max_length) and batch size
     BT = B * T
+    BTv = max(BT, (cfg.data.val_batch_size or B) * (cfg.data.val_max_length or T))
     E, active, expert_inter = experts(arch)
     mlp_act = 3 * active * expert_inter if E else 3 * inter  # the experts a token is routed to
-    rows["base forward activations"] = 0 if cfg.data.offline else BT * (5 * H + mlp_act) * a
+    rows["base forward activations"] = 0 if cfg.data.offline else BTv * (5 * H + mlp_act) * a
     if st.device == "cpu" and not cfg.data.offline:
-        rows["base attention scores (CPU math kernel)"] = B * nh * T * T * 4
+        Tv = max(T, cfg.data.val_max_length or T)
+        rows["base attention scores (CPU math kernel)"] = B * nh * Tv * Tv * 4
     layers = cfg.head.hidden_state_offset or cfg.head.name in UNROLLED  # every layer's output
     kept = 2 + (arch["num_hidden_layers"] + 1 if layers else 0)
-    rows["base hidden states kept"] = BT * H * a * kept
+    rows["base hidden states kept"] = BTv * H * a * kept
     # heads: inputs (context + path embeddings) and per-block saved tensors, per head
     uses_path = cfg.head.name != "medusa"
     in_dims = sum((k + 2) * H if uses_path else H for k in range(K))

@@ -429,3 +429,61 @@ def test_heads_step_with_fused_adamw_equal_to_the_per_tensor_one(tiny_prepared, 
 
     trainer = _fit(module, dm, 2, precision="bf16-mixed", gradient_clip_val=1.0)
     assert trainer.global_step == 2 and trainer.optimizers[0].defaults["fused"] is True
+
+
+def test_supervised_crop_trains_on_the_window_with_the_most_loss_tokens():
+    import numpy as np
+
+    from train.data import collate, window_start
+
+    # 0 = prompt, 1 = trained on: the densest 4-token window starts at 6 (the first of two)
+    mask = [0, 0, 0, 1, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1]
+    assert window_start(np.array(mask), 4) == 6
+    assert window_start(np.array(mask), 40) == 0  # a sample that fits is kept whole
+    cols = {
+        "input_ids": [np.arange(100, 115), np.arange(200, 203)],
+        "loss_mask": [np.array(mask), np.array([0, 1, 1])],
+        "seq_lens": [np.array([5, 10]), np.array([3])],
+        "hidden": [np.arange(15, dtype=np.float32)[:, None], np.zeros((3, 1), np.float32)],
+    }
+    start = collate(cols, pad_id=0, max_length=4)
+    crop = collate(cols, pad_id=0, max_length=4, crop="supervised")
+    assert start["input_ids"][0].tolist() == [100, 101, 102, 103]
+    assert crop["input_ids"][0].tolist() == [106, 107, 108, 109]
+    assert crop["loss_mask"][0].tolist() == [True] * 4
+    assert crop["segment_ids"][0].tolist() == [1, 1, 1, 1]  # packed segments cut alike
+    assert crop["hidden"][0, :, 0].tolist() == [6.0, 7.0, 8.0, 9.0]  # cached states too
+    assert crop["input_ids"][1].tolist() == [200, 201, 202, 0]  # short rows: unchanged
+    assert crop["attention_mask"][1].tolist() == [1, 1, 1, 0]
+    with pytest.raises(ValueError, match="crop='middle'"):
+        collate(cols, pad_id=0, max_length=4, crop="middle")
+
+
+def test_supervised_crop_shapes_training_batches_only(tiny_prepared, tmp_path):
+    import numpy as np
+
+    from train.data import load_prepared
+
+    train = load_prepared(str(tiny_prepared))["train"]
+    first = [np.asarray(m[:16]).sum() for m in train["loss_mask"]]
+    assert min(len(x) for x in train["input_ids"]) > 16  # every sample is cut
+    args = ("data.max_length=16", "data.shuffle=false", "data.max_val_samples=4")
+    _, dm_start, *_ = build_module(_cfg(tiny_prepared, tmp_path, *args))
+    _, dm_crop, *_ = build_module(_cfg(tiny_prepared, tmp_path, *args, "data.crop=supervised"))
+    trained = {}
+    for name, dm in (("start", dm_start), ("supervised", dm_crop)):
+        dm.setup()
+        trained[name] = sum(int(b["loss_mask"].sum()) for b in dm.train_dataloader())
+        val = [b["input_ids"] for b in dm.val_dataloader()]
+        trained[name + "_val"] = val
+    assert trained["start"] == sum(first)
+    assert trained["supervised"] > trained["start"]  # more loss tokens per step
+    for a, b in zip(trained["start_val"], trained["supervised_val"], strict=True):
+        assert torch.equal(a, b)  # validation reads every sample from its start
+    with pytest.raises(Exception, match="data.crop"):
+        build_module(_cfg(tiny_prepared, tmp_path, "data.crop=middle"))
+    # data.val_max_length: short training windows, validation on longer contexts
+    _, dm_long, *_ = build_module(_cfg(tiny_prepared, tmp_path, *args, "data.val_max_length=24"))
+    dm_long.setup()
+    assert max(b["input_ids"].shape[1] for b in dm_long.train_dataloader()) == 16
+    assert max(b["input_ids"].shape[1] for b in dm_long.val_dataloader()) == 24
