@@ -101,6 +101,7 @@ def test_override_filter_and_cpu_script():
 
 
 @pytest.mark.skipif(not slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
+@pytest.mark.xdist_group("slurm")  # one xdist worker runs the SLURM tests, one after another
 def test_real_slurm_job_trains_with_two_tasks(tiny_prepared, tmp_path):
     out = tmp_path / "job"
     r = run(
@@ -132,6 +133,7 @@ def test_real_slurm_job_trains_with_two_tasks(tiny_prepared, tmp_path):
 
 
 @pytest.mark.skipif(not slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
+@pytest.mark.xdist_group("slurm")  # one xdist worker runs the SLURM tests, one after another
 def test_sweep_points_run_as_slurm_jobs_through_submitit(tiny_prepared, tmp_path):
     """`hydra-heads train -m ... hydra/launcher=submitit_slurm`: one SLURM job per point."""
     r = run(

@@ -250,6 +250,7 @@ def test_a_corrupt_study_fails_naming_the_file_and_the_fix(tmp_path):
 
 
 @pytest.mark.skipif(not slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
+@pytest.mark.xdist_group("slurm")  # one xdist worker runs the SLURM tests, one after another
 def test_search_workers_as_slurm_jobs(tiny_prepared, tmp_path):
     """backend=slurm workers=2: two SLURM jobs, each a worker of the one journal study."""
     import optuna

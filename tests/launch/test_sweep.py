@@ -129,6 +129,7 @@ def test_sweep_refuses_a_changed_grid_and_bad_keys(tiny_prepared, tmp_path):
 
 
 @pytest.mark.skipif(not slurm_up(), reason="no SLURM cluster (launch/slurm/local_cluster_up.sh)")
+@pytest.mark.xdist_group("slurm")  # one xdist worker runs the SLURM tests, one after another
 def test_sweep_points_as_slurm_jobs(tiny_prepared, tmp_path):
     """backend=slurm: one job per train point; each job trains, evaluates, refreshes the report."""
     out = tmp_path / "sweep"
