@@ -190,13 +190,38 @@ def _read_source(
     return rows, counts["read"], counts["row_skips"]
 
 
+def _mix(data: DataConfig, pools: list, per_source: dict, seed: int, skips: SkipLog):
+    """Each source's seeded share of data.max_conversations, concatenated, and the quotas;
+    per_source gains each source's share, target, selected and shortfall."""
+    from datasets import concatenate_datasets
+
+    weights = [s.weight for s in data.sources]
+    targets = quotas([len(p) for p in pools], weights, data.max_conversations)
+    parts = []
+    for src, pool, target in zip(data.sources, pools, targets, strict=True):
+        chosen = select(len(pool), target, seed, src.name)
+        parts.append(pool.select(chosen))
+        st = per_source[src.name]
+        st.update(
+            share=round(src.weight / sum(weights), 6),
+            target=target,
+            selected=len(chosen),
+            shortfall=target - len(chosen),
+        )
+        if st["shortfall"]:
+            skips.warn(
+                f"source '{src.name}' has {len(pool)} usable conversations, {st['shortfall']} "
+                f"short of its share ({target} of {sum(targets)}); the mixture holds all of them "
+                "and is that much smaller"
+            )
+    return concatenate_datasets(parts), targets
+
+
 def read_mixture(
     data: DataConfig, skips: SkipLog, seed: int, work: Path
 ) -> tuple[Any, dict[str, Any]]:
     """The conversations of data.sources, mixed by weight (data_prep.mixture has the rules),
     and read_conversations' info plus "sources" (per-source counts) and "mixture"."""
-    from datasets import concatenate_datasets
-
     seen: dict[bytes, str | None] = {}
     pools: list[Any] = []
     per_source: dict[str, dict[str, Any]] = {}
@@ -244,26 +269,7 @@ def read_mixture(
             "leading_assistant_turns_dropped": norm.leading_assistant_turns_dropped,
             "trailing_user_turns_dropped": norm.trailing_user_turns_dropped,
         }
-    weights = [s.weight for s in data.sources]
-    targets = quotas([len(p) for p in pools], weights, data.max_conversations)
-    parts = []
-    for src, pool, target in zip(data.sources, pools, targets, strict=True):
-        chosen = select(len(pool), target, seed, src.name)
-        parts.append(pool.select(chosen))
-        st = per_source[src.name]
-        st.update(
-            share=round(src.weight / sum(weights), 6),
-            target=target,
-            selected=len(chosen),
-            shortfall=target - len(chosen),
-        )
-        if st["shortfall"]:
-            skips.warn(
-                f"source '{src.name}' has {len(pool)} usable conversations, {st['shortfall']} "
-                f"short of its share ({target} of {sum(targets)}); the mixture holds all of them "
-                "and is that much smaller"
-            )
-    mixed = concatenate_datasets(parts)
+    mixed, targets = _mix(data, pools, per_source, seed, skips)
     info = {
         "input": ", ".join(f"{name}={s['path']}" for name, s in per_source.items()),
         "records_read": sum(s["records_read"] for s in per_source.values()),

@@ -509,6 +509,29 @@ def _slashed(series: list[list], i: int) -> str:
     return " / ".join(fmt(x[i] if i < len(x) else None) for x in series)
 
 
+def _timing_table(runs: list[dict]) -> tuple[str, list[str], list[list[str]]]:
+    """The "Hardware and timing" table: tokens/s, the step's split, training time, hardware."""
+    rows = []
+    for r in runs:
+        ev = r.get("eval", {})
+        ms = ev.get("time_per_step_ms") or {}
+        hw = ev.get("hardware") or {}
+        rows.append(
+            [
+                r["name"],
+                fmt(ev.get("spec_tokens_per_s"), 1),
+                fmt(ev.get("plain_tokens_per_s"), 1),
+                " / ".join(fmt(ms.get(k), 1) for k in STEP_PARTS),
+                fmt(r.get("train", {}).get("fit_s"), 0),
+                fmt(r.get("train", {}).get("world_size")),
+                ", ".join(f"{k}={v}" for k, v in hw.items()) or "–",
+            ]
+        )
+    header = ["run", "spec tok/s", "plain tok/s", "propose / verify / project / bookkeep ms",
+              "train s", "train ranks", "eval hardware"]  # fmt: skip
+    return "Hardware and timing", header, rows
+
+
 def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of every table, shared by the markdown and the HTML."""
     runs = report["runs"]
@@ -568,25 +591,7 @@ def _tables(report: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         ]
         header = ["run", "shared items", "τ", "τ ratio [95% CI]", "τ difference [95% CI]"]
         out.append((f"τ against {pair['reference']} on the same prompts (paired)", header, rows))
-    rows = []
-    for r in runs:
-        ev = r.get("eval", {})
-        ms = ev.get("time_per_step_ms") or {}
-        hw = ev.get("hardware") or {}
-        rows.append(
-            [
-                r["name"],
-                fmt(ev.get("spec_tokens_per_s"), 1),
-                fmt(ev.get("plain_tokens_per_s"), 1),
-                " / ".join(fmt(ms.get(k), 1) for k in STEP_PARTS),
-                fmt(r.get("train", {}).get("fit_s"), 0),
-                fmt(r.get("train", {}).get("world_size")),
-                ", ".join(f"{k}={v}" for k, v in hw.items()) or "–",
-            ]
-        )
-    header = ["run", "spec tok/s", "plain tok/s", "propose / verify / project / bookkeep ms",
-              "train s", "train ranks", "eval hardware"]  # fmt: skip
-    out.append(("Hardware and timing", header, rows))
+    out.append(_timing_table(runs))
     diff = report["config_diff"]
     if diff and len(runs) > 1:
         rows = [[k] + [_cfg_value(v) for v in vals] for k, vals in diff.items()]

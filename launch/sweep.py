@@ -60,21 +60,8 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
     if cfg.only is not None and not points:
         names = sorted({p["train_point"] for p in state["points"]})
         raise ConfigError(f"only={cfg.only!r} is not a train point; choose one of {names}")
-    if cfg.dry_run and spec.search is not None:
-        s = spec.search
-        print(f"# search: {s.trials} trials ({s.sampler}, seed {s.seed}), maximize {s.objective}")
-        for key, param in s.space.items():
-            print(f"#   {key}: {param.model_dump(exclude_defaults=True)}")
-        draw = {"name": "TRIAL", "train_point": "TRIAL", "dir": "points/TRIAL/eval/default"}
-        keys = [f"{k}=<drawn>" for k in s.space]
-        print(shlex.join(train_command(cfg, out, "TRIAL", keys)))
-        print(shlex.join(eval_command(cfg, out, {**draw, "eval_overrides": []})))
-        return state
     if cfg.dry_run:
-        for p in points:
-            print(f"# {p['name']} [{p['status']}]")
-            print(shlex.join(train_command(cfg, out, p["train_point"], p["train_overrides"])))
-            print(shlex.join(eval_command(cfg, out, p)))
+        _print_commands(cfg, out, points)
         return state
     if spec.search is not None:
         if cfg.backend == "slurm":
@@ -128,6 +115,24 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
                 except Exception as e:  # noqa: BLE001 - a report problem must not stop training
                     bar.console.print(f"[yellow]report not refreshed[/yellow]: {escape(str(e))}")
     return read_state(out)
+
+
+def _print_commands(cfg: SweepConfig, out: Path, points: list[dict]) -> None:
+    """`dry_run=true`: the commands each point (or a search's trials) would run."""
+    s = cfg.sweep.search
+    if s is not None:
+        print(f"# search: {s.trials} trials ({s.sampler}, seed {s.seed}), maximize {s.objective}")
+        for key, param in s.space.items():
+            print(f"#   {key}: {param.model_dump(exclude_defaults=True)}")
+        draw = {"name": "TRIAL", "train_point": "TRIAL", "dir": "points/TRIAL/eval/default"}
+        keys = [f"{k}=<drawn>" for k in s.space]
+        print(shlex.join(train_command(cfg, out, "TRIAL", keys)))
+        print(shlex.join(eval_command(cfg, out, {**draw, "eval_overrides": []})))
+        return
+    for p in points:
+        print(f"# {p['name']} [{p['status']}]")
+        print(shlex.join(train_command(cfg, out, p["train_point"], p["train_overrides"])))
+        print(shlex.join(eval_command(cfg, out, p)))
 
 
 def _live_jobs(jobs: dict[str, str]) -> dict[str, str]:

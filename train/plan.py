@@ -165,15 +165,13 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     # is its own, trained (in P_heads)
     if cfg.head.name in RECURRENT and cfg.head.name not in UNROLLED:
         rows["heads frozen lm head"] = V_out * H * 4
-    # base forward (no grad): one layer's transients + the hidden states kept for the heads;
-    # validation runs it too, on its own cut (data.val_max_length) and batch size
-    BT = B * T
-    BTv = max(BT, (cfg.data.val_batch_size or B) * (cfg.data.val_max_length or T))
+    # base forward (no grad, validation's cut too): one layer's transients + the states kept
+    BT, Tv = B * T, max(T, cfg.data.val_max_length or T)
+    BTv = max(BT, (cfg.data.val_batch_size or B) * Tv)
     E, active, expert_inter = experts(arch)
     mlp_act = 3 * active * expert_inter if E else 3 * inter  # the experts a token is routed to
     rows["base forward activations"] = 0 if cfg.data.offline else BTv * (5 * H + mlp_act) * a
     if st.device == "cpu" and not cfg.data.offline:
-        Tv = max(T, cfg.data.val_max_length or T)
         rows["base attention scores (CPU math kernel)"] = B * nh * Tv * Tv * 4
     layers = cfg.head.hidden_state_offset or cfg.head.name in UNROLLED  # every layer's output
     kept = 2 + (arch["num_hidden_layers"] + 1 if layers else 0)
@@ -195,13 +193,12 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     # softmax/grad temporaries, and the chunked argmax of the base over its own vocab
     live = min(chunk, n)
     rows["loss: one chunk of logits"] = live * V_out * 4 * 4 + min(1024, BT) * V * 4
-    total = sum(rows.values())
     return {
         "setup": st.__dict__,
         "params": {"base": P_base, "heads": P_heads},
         "batch": {"batch_size": B, "max_length": T},
         "rows": rows,
-        "total": total,
+        "total": sum(rows.values()),
         # GPU: CUDA context + allocator slack. CPU: what a Lightning fit adds beyond tensors
         # (trainer, data loading, allocator arenas), ~200 MB measured on SmolLM2 and tiny runs.
         "runtime_overhead": 1.0 * GIB if st.device == "gpu" else 192 * 2**20,
