@@ -46,7 +46,7 @@ demo: setup
 	$(BIN)/hydra-heads report runs=[$(DEMO)] out=$(DEMO)/report
 
 # The paper's comparison (conf/sweep/architectures.yaml): Medusa vs Hydra vs Hydra++ at equal
-# budget on SmolLM2, ~30 min on 2 cores; re-running resumes. Reuses the demo's data if present.
+# budget on SmolLM2, 8.5 min on 2 EPYC cores; re-running resumes. Reuses the demo's data if present.
 SWEEP ?= runs/sweep-demo
 sweep-demo: setup
 	test -f $(DEMO)/data/dataset_dict.json || $(BIN)/hydra-heads prep data.max_conversations=2000 out=$(DEMO)/data overwrite=true
