@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-# Two pytest-xdist workers: most tests keep one core busy, so two at once take ~8.7 min against
-# 15 serially on 2 EPYC cores (each worker's torch gets its share of the cores: tests/conftest.py).
+# Two pytest-xdist workers: most tests keep one core busy, so two at once take ~10 min with the
+# SLURM tests against 15 serially on 2 EPYC cores (each worker's torch gets its share of the
+# cores: tests/conftest.py).
 # The SLURM tests share one worker (xdist_group). TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup

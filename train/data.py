@@ -343,18 +343,19 @@ class PreparedDataModule(pl.LightningDataModule):
         if self.dd is None:
             self.dd = load_prepared(self.cfg.prepared, self.vocab_size, self.cfg.offline)
 
-    def _loader(self, ds, batch_sampler, crop: str = "start", val: bool = False) -> DataLoader:
+    def _loader(self, ds, batch_sampler, val: bool = False) -> DataLoader:
         # The sampler yields whole batches of indices; batch_size=None hands each to _Batches.
-        cut = self.cfg.max_length
-        if val and self.cfg.val_max_length is not None:
-            cut = self.cfg.val_max_length
+        # Validation reads each sample from its start, as decoding does (data.crop shapes
+        # training only), so runs with different crops are scored on the same tokens, and up to
+        # data.val_max_length, so short training windows are scored on longer contexts.
+        cut = self.cfg.val_max_length if val and self.cfg.val_max_length else self.cfg.max_length
         return DataLoader(
             _Batches(
                 ds,
                 self.pad_id,
                 cut,
                 with_hidden=self.cfg.offline and ("aux" if self.aux else True),
-                crop=crop,
+                crop="start" if val else self.cfg.crop,
             ),  # fmt: skip
             sampler=batch_sampler,
             batch_size=None,
@@ -395,7 +396,7 @@ class PreparedDataModule(pl.LightningDataModule):
                     skip,
                     per_epoch,
                 )
-        return self._loader(ds, sampler, self.cfg.crop)
+        return self._loader(ds, sampler)
 
     def val_dataloader(self) -> DataLoader | list:
         self.setup()
@@ -411,7 +412,4 @@ class PreparedDataModule(pl.LightningDataModule):
         sampler = BucketBatchSampler(
             np.asarray(ds["length"]), bs, self.seed, False, self.cfg.bucket_batches, rank, world
         )
-        # Validation always reads each sample from its start, as decoding does (data.crop
-        # shapes training only), so runs with different crops are scored on the same tokens;
-        # data.val_max_length lets short training windows be scored on longer contexts.
         return self._loader(ds, sampler, val=True)

@@ -166,13 +166,13 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     if cfg.head.name in RECURRENT and cfg.head.name not in UNROLLED:
         rows["heads frozen lm head"] = V_out * H * 4
     # base forward (no grad, validation's cut too): one layer's transients + the states kept
-    BT, Tv = B * T, max(T, cfg.data.val_max_length or T)
-    BTv = max(BT, (cfg.data.val_batch_size or B) * Tv)
+    BT, Bv, Tv = B * T, cfg.data.val_batch_size or B, cfg.data.val_max_length or T
+    BTv, BTTv = max(BT, Bv * Tv), max(BT * T, Bv * Tv * Tv)  # training or validation, the larger
     E, active, expert_inter = experts(arch)
     mlp_act = 3 * active * expert_inter if E else 3 * inter  # the experts a token is routed to
     rows["base forward activations"] = 0 if cfg.data.offline else BTv * (5 * H + mlp_act) * a
     if st.device == "cpu" and not cfg.data.offline:
-        rows["base attention scores (CPU math kernel)"] = B * nh * Tv * Tv * 4
+        rows["base attention scores (CPU math kernel)"] = nh * BTTv * 4
     layers = cfg.head.hidden_state_offset or cfg.head.name in UNROLLED  # every layer's output
     kept = 2 + (arch["num_hidden_layers"] + 1 if layers else 0)
     rows["base hidden states kept"] = BTv * H * a * kept
