@@ -13,6 +13,9 @@ distillation divergence, `head.loss.kind` or a weighted mix of kinds (`head.loss
   lk          acceptance (an extra, after the LK losses of arXiv 2602.23881): -log alpha,
               alpha = sum min(p, q), the chance that a token drawn from q is accepted against
               p; greedy verification accepts the head's top token when it is the base's
+  top1        cross-entropy against the base's own top token, -log q(argmax p) (an extra:
+              hard distillation; greedy verification accepts the head's token exactly when
+              it is that one). Not a divergence: its least value is 0 only for a one-hot q
 
 Logits are never held for all heads or all positions at once: `fused_heads_loss` walks over
 chunks of teacher positions, computes the teacher's softmax at each position once, then every
@@ -103,6 +106,10 @@ def _distill(
         if kind == "kl":  # sum p log p - sum p log q; dD/du = q - p
             value += w * (neg_ent - (p * log_q).sum(-1))
             g = (q - p).mul_(w) if grad else None
+        elif kind == "top1":  # -log q_a at a = argmax p; dD/du = q - onehot(a)
+            a = p.argmax(-1, keepdim=True)
+            value -= w * log_q.gather(1, a)[:, 0]
+            g = q.mul(w).scatter_add_(1, a, q.new_full(a.shape, -w)) if grad else None
         else:
             v, gq = _divergence(kind, p, log_p, q, log_q)
             value += w * v

@@ -23,6 +23,8 @@ def divergence(kind: str, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Ten
         per = 0.5 * (p - q).abs().sum(-1)
     elif kind == "lk":
         per = -torch.minimum(p, q).sum(-1).log()
+    elif kind == "top1":
+        per = F.nll_loss(log_q, p.argmax(-1), reduction="none")
     else:
         raise ValueError(kind)
     return per.mean()

@@ -159,7 +159,7 @@ def test_one_projection_shared_by_several_heads_gets_their_summed_gradient(chunk
 
 
 KINDS = [{"kl": 1.0}, {"reverse_kl": 1.0}, {"jsd": 1.0}, {"tv": 1.0}, {"lk": 1.0},
-         {"kl": 0.5, "lk": 0.3, "tv": 0.2}]  # fmt: skip
+         {"top1": 1.0}, {"kl": 0.5, "lk": 0.3, "tv": 0.2}, {"kl": 0.5, "top1": 0.5}]  # fmt: skip
 
 
 @pytest.mark.parametrize("kinds", KINDS, ids=lambda k: "+".join(k))

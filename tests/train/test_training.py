@@ -364,7 +364,7 @@ def test_progress_bar_shows_steps_not_a_negative_epoch_total(tiny_prepared, tmp_
 
 
 @pytest.mark.parametrize(
-    "kind", ["reverse_kl", "jsd", "tv", "lk", "mix"]
+    "kind", ["reverse_kl", "jsd", "tv", "lk", "top1", "mix"]
 )  # kl: test_every_head_learns_and_the_base_stays_frozen
 def test_every_distillation_kind_trains_from_config(tiny_prepared, tmp_path, kind):
     """head.loss.kind (and a mix) as a user sets it: the loss falls and the checkpoint's config

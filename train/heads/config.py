@@ -15,7 +15,7 @@ RECURRENT = ("hydra_eagle", "hydra_cross_attn", "eagle3")
 UNROLLED = ("eagle3",)
 
 # The distillation divergences of train/losses.py, the one list of their names.
-KINDS = ("kl", "reverse_kl", "jsd", "tv", "lk")
+KINDS = ("kl", "reverse_kl", "jsd", "tv", "lk", "top1")
 
 
 class LossConfig(ConfigModel):
@@ -24,7 +24,8 @@ class LossConfig(ConfigModel):
     lm_weight: Annotated[float, check(lambda v: v >= 0, "a weight >= 0")]  # CE on the data
     distill_weight: Annotated[float, check(lambda v: v >= 0, "a weight >= 0")]  # to the base
     # The distillation divergence (train/losses.py): kl (the paper's), reverse_kl, jsd, tv, lk
-    # (acceptance: -log sum min(p, q)), or mix: the weighted sum of `mix`, {kind: weight}.
+    # (acceptance: -log sum min(p, q)), top1 (CE against the base's argmax), or mix: the
+    # weighted sum of `mix`, {kind: weight}.
     kind: Literal[(*KINDS, "mix")]  # type: ignore[valid-type]
     mix: dict[str, float] | None
     temperature: Annotated[float, check(lambda v: v > 0, "a number > 0")]
