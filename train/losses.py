@@ -89,6 +89,10 @@ def _divergence(
     raise ValueError(f"unknown distillation kind {kind!r}: one of {', '.join(DISTILL_KINDS)}")
 
 
+# The kinds `_distill` computes in closed form from q and p (no log p, no softmax Jacobian).
+CLOSED_FORM = ("kl", "top1")
+
+
 def _distill(
     kinds: tuple[tuple[str, float], ...],
     p: torch.Tensor,
@@ -134,6 +138,8 @@ class _FusedHeadsLoss(torch.autograd.Function):
         # per head
         lm_w, kl_w, T, chunk, head_w, n_ce, n_kl, kinds, cap = opts
         pure_kl = kinds == (("kl", 1.0),)
+        # log p is read only by the kinds of `_divergence`; kl and top1 have closed forms in q, p
+        needs_log_p = any(kind not in CLOSED_FORM for kind, _ in kinds)
         K = len(head_w)
         heads = [flat[5 * k : 5 * k + 5] for k in range(K)]
         need = [any(ctx.needs_input_grad[4 + 5 * k : 4 + 5 * k + 3]) for k in range(K)]
@@ -181,7 +187,7 @@ class _FusedHeadsLoss(torch.autograd.Function):
                     log_p = torch.log_softmax(t_logits, -1)
                     p = log_p.exp()
                     neg_ent = (p * log_p).sum(-1)  # sum_v p log p, once per position
-                    if pure_kl:
+                    if not needs_log_p:
                         del log_p
                         log_p = None
                 del t_logits
