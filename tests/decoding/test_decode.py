@@ -84,6 +84,32 @@ def test_empty_tree_is_plain_decoding(tiny_base):
     assert gen.tokens == dec.plain([ids], 12)[0].tokens and gen.tau == 1.0
 
 
+@pytest.mark.parametrize("arch", ["hydra_pp", "eagle3"])
+def test_a_kept_prefill_decodes_as_a_fresh_one(tiny_base, arch):
+    """decode_kept (tree=auto's timing) rewinds one prefill for every decode: each decode
+    from it, of any tree, plain or not, at any batch, must be the fresh decode's, step by step."""
+    model = tiny_base.model
+    heads = make_heads(model, arch, 3, 0.3)
+    ids = encode(tiny_base.tokenizer, PROMPTS[1])
+    dec = Decoder(model, set(), heads)
+    shapes = [PRESETS["none"], chain(3), branching([3, 2, 2])]
+    trees = [Tree.from_paths(p) for p in shapes]
+    for batch in (1, 3):
+        for tree in trees:  # the first one prefills, the others rewind what it kept
+            dec.set_tree(tree)
+            fresh = dec.speculative([ids] * batch, 16)
+            kept = dec.decode_kept(ids, 16, batch)
+            assert [g.tokens for g in kept] == [g.tokens for g in fresh]
+            assert [g.accepted for g in kept] == [g.accepted for g in fresh]
+            assert dec.kept is not None and dec.kept.key[1] == batch
+    first = dec.kept
+    dec.decode_kept(ids[:-1], 16, 3)  # another prompt: prefilled anew
+    assert dec.kept is not first
+    assert dec.decode_step_seconds(ids, 8, 2, 1) > 0
+    dec.forget_kept()
+    assert dec.kept is None
+
+
 def test_prompt_too_long_for_the_model_fails_clearly(tiny_base):
     heads = make_heads(tiny_base.model, "hydra", 0, 0.0)
     dec = Decoder(tiny_base.model, set(), heads, Tree.from_paths(chain(4)))

@@ -18,6 +18,7 @@ class FakeDecoder:
 
     def __init__(self, slow=lambda i: 1.0):
         self.tree, self.calls, self.slow, self.timed = Tree.from_paths([]), 0, slow, []
+        self.forgotten = False
 
     def set_tree(self, tree: Tree) -> None:
         self.tree = tree
@@ -29,6 +30,9 @@ class FakeDecoder:
         self.calls += 1
         return s
 
+    def forget_kept(self) -> None:
+        self.forgotten = True
+
 
 def calibration() -> Calibration:
     acc = torch.tensor([[0.30, 0.12, 0.05], [0.20, 0.08, 0.04]])  # 2 heads, top-3
@@ -38,6 +42,7 @@ def calibration() -> Calibration:
 def test_quiet_machine_picks_the_best_expected_speedup():
     dec = FakeDecoder()
     best, options = choose_tree(dec, calibration(), [1, 2, 3], budget=8)
+    assert dec.forgotten  # the kept prefill is freed once the candidates are timed
     assert options[0].tree.num_nodes == 1 and options[0].expected_speedup == 1.0
     for o in options[1:]:
         nodes = o.tree.num_nodes - 1

@@ -44,6 +44,7 @@ from train.decoding.sampling import (
 from train.decoding.tree import Tree
 
 CAPACITY_BUCKET = 256  # compiled decoding: KV capacity rounded up to a multiple of this
+KEPT_ROOM = 128  # tree nodes per step, and new tokens, a kept prefill's caches leave room for
 
 
 @dataclass
@@ -62,6 +63,40 @@ class _Rows:
     def flat(self) -> bool:
         """Every row holds `start` positions: no hole to mask."""
         return len(self.rows) == 1 or bool((self.lengths == self.start).all())
+
+
+@dataclass
+class _Kept:
+    """A prefill kept for decoding the same prompt again (`Decoder.decode_kept`). A decode
+    writes only after the prompt, and its rows are copies of one prompt, so rewinding the
+    caches' write positions and the rows' lengths restores the state right after the
+    prefill."""
+
+    key: tuple  # (prompt tokens, batch)
+    max_new: int
+    nodes: int  # tree nodes per step the caches have room for
+    state: _Rows
+    ends: tuple[int, int]  # base and heads' cache write positions after the prefill
+    lengths: torch.Tensor
+    roots: torch.Tensor
+    ctx: torch.Tensor | None
+
+    def restore(self) -> _Rows:
+        st, B = self.state, len(self.lengths)
+        st.cache.end, st.head_cache.end = self.ends
+        for c in (st.cache, st.head_cache):
+            if c.buf is not None:
+                c.rows = B
+        ctx = None if self.ctx is None else self.ctx.clone()
+        return _Rows(
+            st.cache,
+            st.head_cache,
+            self.lengths.clone(),
+            st.start,
+            self.roots.clone(),
+            list(range(B)),
+            ctx,
+        )
 
 
 class Decoder:
@@ -121,6 +156,7 @@ class Decoder:
         self.compiled_shapes: set[tuple[int, int]] = set()
         self.static_caches: dict[int, object] = {}  # capacity bucket -> its StaticCache
         self.compile_s = 0.0
+        self.kept: _Kept | None = None  # decode_kept's prefill
         if tree is not None:
             self.set_tree(tree)
 
@@ -168,7 +204,7 @@ class Decoder:
     @torch.inference_mode()
     def plain(self, prompts: list, max_new_tokens: int) -> list[Generation]:
         """One base forward per token for the whole batch: the baseline to match and beat."""
-        return self._decode(prompts, max_new_tokens, speculate=False)
+        return self._decode(self._check_prompts(prompts, max_new_tokens), max_new_tokens, False)
 
     @torch.inference_mode()
     def speculative(self, prompts: list, max_new_tokens: int) -> list[Generation]:
@@ -182,7 +218,7 @@ class Decoder:
                 g.accepted = [0] * g.steps
                 g.verify_s = g.total_s - g.prefill_s
             return gens
-        return self._decode(prompts, max_new_tokens, speculate=True)
+        return self._decode(self._check_prompts(prompts, max_new_tokens), max_new_tokens, True)
 
     def propose(
         self,
@@ -197,26 +233,56 @@ class Decoder:
         return self.proposer.propose(ctx, roots, memory)
 
     @torch.inference_mode()
+    def decode_kept(self, prompt, max_new_tokens: int, batch: int = 1) -> list[Generation]:
+        """`batch` copies of `prompt` decoded with the current tree (plainly without one), as
+        speculative() / plain() would, but from a prefill kept from the previous call with the
+        same prompt and batch: tree=auto times many trees on one long prompt, and its prefill
+        is most of a short decode. Compiled decoding (static caches) prefills every time.
+        `forget_kept()` frees the kept caches."""
+        speculate = self.speculating
+        ids = self._check_prompts([prompt] * batch, max_new_tokens)
+        if self.compiled is not None:
+            return self._decode(ids, max_new_tokens, speculate)
+        nodes = self.proposer.max_nodes if speculate else 1
+        key = (tuple(ids[0].tolist()), batch)
+        k = self.kept
+        if k is None or k.key != key or k.max_new < max_new_tokens or k.nodes < nodes:
+            self.kept = None  # its caches go before the new ones are allocated
+            room, longer = max(nodes, KEPT_ROOM), max(max_new_tokens, KEPT_ROOM)
+            st = self._prefill(ids, longer, self.heads is not None, room)
+            ctx = None if st.ctx is None else st.ctx.clone()
+            ends = (st.cache.end, st.head_cache.end)
+            k = _Kept(key, longer, room, st, ends, st.lengths.clone(), st.roots, ctx)
+            self.kept = k
+        return self._decode(ids, max_new_tokens, speculate, k.restore())
+
+    def forget_kept(self) -> None:
+        self.kept = None
+
+    @torch.inference_mode()
     def decode_step_seconds(
         self, prompt, new_tokens: int = 16, reps: int = 2, batch: int = 1
     ) -> float:
         """Wall time per base forward of a real decode of `new_tokens` after `prompt`, `batch`
         copies at once: the speculative one with the current tree (propose, verify, accept, KV
-        upkeep and all), or the plain one without a tree. The least disturbed of `reps`."""
-        fn = self.speculative if self.speculating else self.plain
+        upkeep and all), or the plain one without a tree. The least disturbed of `reps`. The
+        prompt is prefilled once and kept for the next calls (`decode_kept`)."""
         best = float("inf")
         for _ in range(reps):
-            gens = fn([prompt] * batch, new_tokens)
+            gens = self.decode_kept(prompt, new_tokens, batch)
             steps = max(g.steps for g in gens)
             if steps:
                 best = min(best, sum(g.total_s - g.prefill_s for g in gens) / steps)
         return best
 
     # -- one decode -------------------------------------------------------------------------
-    def _decode(self, prompts: list, max_new: int, speculate: bool) -> list[Generation]:
-        ids = self._check_prompts(prompts, max_new)
+    def _decode(
+        self, ids: list[torch.Tensor], max_new: int, speculate: bool, st: _Rows | None = None
+    ) -> list[Generation]:
+        """Decode checked prompts `ids`, from state `st` after their prefill if given."""
         t0, c0 = time.perf_counter(), self.compile_s
-        st = self._prefill(ids, max_new, speculate)
+        if st is None:
+            st = self._prefill(ids, max_new, speculate)
         gens = [Generation([], "length") for _ in ids]
         times = {"prefill_s": time.perf_counter() - t0, "propose_s": 0.0, "verify_s": 0.0}
         times.update(project_s=0.0, bookkeeping_s=0.0)
@@ -297,15 +363,19 @@ class Decoder:
                 layer.cumulative_length.zero_()
         return base, KVCache(1, need)
 
-    def _prefill(self, ids: list[torch.Tensor], max_new: int, speculate: bool) -> _Rows:
-        """Every prompt in one right-padded forward; each row's root token (and context)."""
+    def _prefill(
+        self, ids: list[torch.Tensor], max_new: int, speculate: bool, nodes: int | None = None
+    ) -> _Rows:
+        """Every prompt in one right-padded forward; each row's root token (and context).
+        `nodes`: tree nodes per step to leave cache room for (default: the current tree's)."""
         dev, B = self.device, len(ids)
         P = torch.tensor([x.numel() for x in ids], device=dev)
         Pm = int(P.max())
         tokens = torch.zeros(B, Pm, dtype=torch.long, device=dev)
         for b, x in enumerate(ids):
             tokens[b, : x.numel()] = x
-        nodes = self.proposer.max_nodes if speculate else 1
+        if nodes is None:
+            nodes = self.proposer.max_nodes if speculate else 1
         cache, head_cache = self._caches(Pm, max_new, nodes)
         pos = torch.arange(Pm, device=dev).expand(B, Pm)
         # plain causal attention: a real token never sees the padding after it (only padding
