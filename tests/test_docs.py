@@ -1,4 +1,5 @@
-"""Every `hydra-heads` command the project documents is one the CLI accepts.
+"""The docs stay true to the code: every `hydra-heads` command they show is one the CLI
+accepts, and every link, anchor and file path they name exists.
 
 Users copy commands from README.md, docs/*.md, the Makefile and the comments in conf/. Each one
 found there is composed from conf/ and validated by its subcommand's schema, as the CLI would do
@@ -251,3 +252,31 @@ def test_documented_command_is_accepted(doc):
             assert shown.split(" ...")[0] in str(info.value), (
                 f"{doc.where}: documented error {doc.error!r}, got {info.value}"
             )
+
+
+MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to -."""
+    heads = re.findall(r"^#+\s+(.*?)\s*$", path.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+
+@pytest.mark.parametrize("page", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_and_paths_in_the_docs_exist(page):
+    text, bad = page.read_text(), []
+    for link in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", link):  # http(s), mailto
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            bad.append(f"link {link}: no {path}")
+        elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+            bad.append(f"link {link}: no heading with anchor #{anchor} in {path or page.name}")
+    # a repository path in backticks (`train/decoding/decoder.py`); OUT/, DIR/: placeholders
+    for path in re.findall(r"`([a-z_]+/[\w./-]+\.(?:py|yaml|md|sh|json|toml))`", text):
+        if not (ROOT / path).exists() and not (page.parent / path).exists():
+            bad.append(f"path {path} does not exist")
+    assert not bad, f"{page.relative_to(ROOT)}: " + "; ".join(bad)
