@@ -197,8 +197,10 @@ def calibrated_tree(
     """Measure the heads on held-out `rows`, then grow a tree (tree=calibrated) or pick one by
     timing candidates on the longest of `items` (tree=auto). Returns it and its eval.json info."""
     log.info("calibrating on %d held-out rows", tc.calibration_rows)
+    t0 = time.perf_counter()
     calib = calibrate(decoder.model, decoder.heads, rows, tc.topk, decoder.offset)
     info: dict[str, Any] = {"kind": tc.kind, "calibration": calib.to_json()}
+    info["calibrate_s"] = round(time.perf_counter() - t0, 2)
     if tc.kind == "calibrated":
         tree = Tree.from_paths(grow(calib.acc, tc.budget), decoder.heads.depth_limit)
     else:
@@ -206,9 +208,11 @@ def calibrated_tree(
         # grow with the context faster than a plain step does, so a short prompt would
         # promise a speedup that longer prompts do not deliver.
         longest = max((_first_prompt(tokenizer, it) for it in items), key=len)
+        t1 = time.perf_counter()
         best, options = choose_tree(
             decoder, calib, longest, tc.budget, min_speedup=tc.min_speedup, batch=batch
         )
+        info["choose_s"] = round(time.perf_counter() - t1, 2)
         tree = best.tree
         info["auto"] = [
             {
@@ -369,6 +373,7 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
         write_text(out / "config.yaml", config_yaml)
     t_setup = time.perf_counter()
     base, decoder, tree, meta = setup(cfg)
+    load_s = time.perf_counter() - t_setup  # base, heads, weight layout
     prepared = ev.prepared or (meta.get("training") or {}).get("prepared")
     skips = SkipLog()
     items, rows = load_prompts(cfg, prepared, tree is None, skips)
@@ -414,6 +419,13 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
         "identical_to_plain": _share(records, "identical"),
         "mismatches": mismatches,
         "setup_s": round(setup_s, 2),
+        # where setup went: loading (base, heads, the weight layout's probe), the tree's
+        # calibration and tree=auto's timing of its candidates
+        "setup": {
+            "load_s": round(load_s, 2),
+            "calibrate_s": tree_info.get("calibrate_s", 0.0),
+            "choose_tree_s": tree_info.get("choose_s", 0.0),
+        },
         "hardware": {
             "device": ev.device,
             "threads": torch.get_num_threads(),

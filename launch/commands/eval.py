@@ -49,6 +49,13 @@ def print_summary(res: dict[str, Any], out: str) -> None:
         "per step: propose / verify / project / bookkeeping",
         " / ".join(f"{ms[k]:.1f}" if k in ms else "–" for k in STEP_PARTS) + " ms",
     )
+    if "setup" in res:
+        parts = res["setup"]
+        t.add_row(
+            "setup: load / calibrate / time trees",
+            f"{res['setup_s']:.1f} s ({parts['load_s']:.1f} / {parts['calibrate_s']:.1f} / "
+            f"{parts['choose_tree_s']:.1f})",
+        )
     by_category = res.get("by_category") or {}
     if len(by_category) > 1:  # a suite with categories (MT-Bench): tau / speedup per category
         timed = "plain_tokens_per_s" in res  # eval.compare_plain=false: no speedups

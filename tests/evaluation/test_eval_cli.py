@@ -265,6 +265,10 @@ def test_eval_default_auto_tree_picks_the_best_candidate(tiny_heads, tmp_path):
     assert saved["paths"] == tree["paths"] and len(tree["paths"]) == tree["num_nodes"]
     assert res["lossless"] is True and res["mismatches"] == []
     assert res["prompts"]["items"] == 2
+    # where the setup went: its parts are measured, and are parts of it
+    parts = res["setup"]
+    assert parts["calibrate_s"] > 0 and parts["choose_tree_s"] > 0 and parts["load_s"] > 0
+    assert sum(parts.values()) <= res["setup_s"] + 0.02
 
 
 @pytest.fixture(scope="module")
