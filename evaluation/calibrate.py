@@ -170,13 +170,15 @@ def choose_tree(
         taus.append(expected_length(paths, calib.acc))
     steps = [float("inf")] * len(trees)
     # every candidate decodes from one kept prefill of the prompt (Decoder.decode_kept)
-    for round_ in range(reps + 1):  # round 0 warms each candidate up
-        for i, tree in enumerate(trees):
-            decoder.set_tree(tree)
-            s = decoder.decode_step_seconds(prompt, new_tokens if round_ else 4, 1, batch)
-            if round_:
-                steps[i] = min(steps[i], s)
-    decoder.forget_kept()
+    try:
+        for round_ in range(reps + 1):  # round 0 warms each candidate up
+            for i, tree in enumerate(trees):
+                decoder.set_tree(tree)
+                s = decoder.decode_step_seconds(prompt, new_tokens if round_ else 4, 1, batch)
+                if round_:
+                    steps[i] = min(steps[i], s)
+    finally:
+        decoder.forget_kept()
     options = [
         TreeChoice(tree, tau, step, tau * steps[0] / step)
         for tree, tau, step in zip(trees, taus, steps, strict=True)

@@ -383,6 +383,7 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
             cfg.tree, decoder, rows, items, base.tokenizer, ev.batch_size
         )
     tree_info.update(use_tree(decoder, tree, out))
+    calibrate_s, choose_s = tree_info.pop("calibrate_s", 0.0), tree_info.pop("choose_s", 0.0)
     setup_s = time.perf_counter() - t_setup
     records, spec, plain, mismatches = decode_prompts(decoder, items, base.tokenizer, ev, skips)
     result = {
@@ -423,8 +424,8 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
         # calibration and tree=auto's timing of its candidates
         "setup": {
             "load_s": round(load_s, 2),
-            "calibrate_s": tree_info.get("calibrate_s", 0.0),
-            "choose_tree_s": tree_info.get("choose_s", 0.0),
+            "calibrate_s": calibrate_s,
+            "choose_tree_s": choose_s,
         },
         "hardware": {
             "device": ev.device,

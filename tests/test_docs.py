@@ -69,9 +69,10 @@ def _add(found: list[Documented], where: str, text: str, in_block: bool, error=N
         if not argv or argv[0] not in SCHEMAS:
             continue  # prose: "`hydra-heads`", "hydra-heads' CLI"
         overrides = [a for a in argv[1:] if "=" in a]
-        if not overrides and error is None:
-            continue  # a mention of the subcommand: `hydra-heads report`
-        partial = any("..." in a or "<" in a for a in argv)
+        if not overrides and not in_block:
+            continue  # a mention of the subcommand in prose: `hydra-heads report`
+        # `--help` and `--cfg job` show things and run nothing: no key is required
+        partial = any("..." in a or "<" in a or a in ("--help", "-h", "--cfg") for a in argv)
         complete = not partial and (in_block or len(overrides) >= 3)
         found.append(Documented(where, argv, complete, error))
 
@@ -187,7 +188,9 @@ def _check(doc: Documented, overrides: list[str]) -> None:
     plain = OmegaConf.to_container(cfg, resolve=False)
     missing = set(_missing_keys(plain))
     for key, _ in placeholders:
-        key = key.lstrip("+~")
+        if key.startswith("+"):  # a key the command adds: nothing to find
+            continue
+        key = key.lstrip("~")
         if key in groups:
             continue
         *parents, last = key.split(".")
@@ -258,9 +261,16 @@ MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _anchors(path: Path) -> set[str]:
-    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to -."""
-    heads = re.findall(r"^#+\s+(.*?)\s*$", path.read_text(), re.M)
-    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+    """GitHub's anchors of a page's headings (not of `#` lines in code blocks): lower case,
+    punctuation dropped, spaces to -, a repeated one numbered -1, -2, ..."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    seen: dict[str, int] = {}
+    out = set()
+    for h in re.findall(r"^#+\s+(.*?)\s*$", text, re.M):
+        a = re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-")
+        out.add(a if a not in seen else f"{a}-{seen[a]}")
+        seen[a] = seen.get(a, 0) + 1
+    return out
 
 
 @pytest.mark.parametrize("page", MARKDOWN, ids=lambda p: str(p.relative_to(ROOT)))

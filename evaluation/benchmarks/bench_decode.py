@@ -198,6 +198,7 @@ def section_trees(dec: Decoder, name: str, trees, prompt, reps, console: Console
         split = f"{p:.1f} / {v:.1f} / {o:.1f} / {b:.1f}"
         t.add_row(tname, str(nodes), f"{step * 1e3:.1f}", f"{step / plain:.2f}",
                   f"{gen.tau:.2f}", split, f"{share:.0%}")  # fmt: skip
+    dec.forget_kept()  # the prefill the timed decodes shared
     console.print(t)
 
 

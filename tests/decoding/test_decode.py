@@ -95,19 +95,55 @@ def test_a_kept_prefill_decodes_as_a_fresh_one(tiny_base, arch):
     shapes = [PRESETS["none"], chain(3), branching([3, 2, 2])]
     trees = [Tree.from_paths(p) for p in shapes]
     for batch in (1, 3):
+        first = None
         for tree in trees:  # the first one prefills, the others rewind what it kept
             dec.set_tree(tree)
             fresh = dec.speculative([ids] * batch, 16)
             kept = dec.decode_kept(ids, 16, batch)
             assert [g.tokens for g in kept] == [g.tokens for g in fresh]
             assert [g.accepted for g in kept] == [g.accepted for g in fresh]
-            assert dec.kept is not None and dec.kept.key[1] == batch
+            first = first or dec.kept
+            assert dec.kept is first and dec.kept.key[1] == batch  # one prefill, reused
     first = dec.kept
     dec.decode_kept(ids[:-1], 16, 3)  # another prompt: prefilled anew
     assert dec.kept is not first
     assert dec.decode_step_seconds(ids, 8, 2, 1) > 0
     dec.forget_kept()
     assert dec.kept is None
+
+
+@pytest.mark.parametrize("arch", ["hydra_pp", "eagle3"])
+def test_a_kept_prefill_survives_rows_that_finish_apart(tiny_base, arch):
+    """Sampled rows end at different steps and leave by moving the later rows up, prompt
+    columns included; EAGLE-3's cache differs per row there (each row's sampled root). Every
+    decode must start again from the state right after the kept prefill."""
+    model = tiny_base.model
+    heads = make_heads(model, arch, 5, 0.3)
+    ids = encode(tiny_base.tokenizer, PROMPTS[0])
+    hot = SamplingConfig(temperature=1.0, acceptance="rejection", seed=0)
+    eos = set(range(0, model.config.vocab_size, 5))  # a fifth of the vocabulary ends a row
+    dec = Decoder(model, eos, heads, Tree.from_paths(branching([2, 2])), sampling=hot)
+    dec.decode_kept(ids, 24, 4)
+    k = dec.kept
+    P, head_end = len(ids), k.ends[1]
+
+    def state():
+        live = k.state.head_cache.buf
+        heads_part = None if live is None else live[:, :, :4, :, :head_end].clone()
+        return k.state.cache.buf[:, :, :4, :, :P].clone(), heads_part, k.roots.clone()
+
+    before = state()
+    lengths = set()
+    for _ in range(6):
+        gens = dec.decode_kept(ids, 24, 4)
+        lengths |= {len({len(g.tokens) for g in gens})}
+        with torch.inference_mode():  # where decode_kept restores it, before each decode
+            k.restore()
+        after = state()
+        assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
+        assert (after[1] is None) == (before[1] is None)
+        assert after[1] is None or torch.equal(after[1], before[1])
+    assert max(lengths) > 1  # rows did finish apart, so rows were moved
 
 
 def test_prompt_too_long_for_the_model_fails_clearly(tiny_base):

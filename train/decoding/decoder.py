@@ -68,9 +68,12 @@ class _Rows:
 @dataclass
 class _Kept:
     """A prefill kept for decoding the same prompt again (`Decoder.decode_kept`). A decode
-    writes only after the prompt, and its rows are copies of one prompt, so rewinding the
-    caches' write positions and the rows' lengths restores the state right after the
-    prefill."""
+    writes only after the prompt, so rewinding the caches' write positions and the rows'
+    lengths restores the state right after the prefill, with one exception: rows that finish
+    early leave by moving the later rows up, prompt columns included. The base's prompt
+    entries are the same in every row (one prompt), but the heads' may not be (EAGLE-3 reads
+    each row's root at the prompt's last position, and sampled roots differ), so with several
+    rows the heads' prompt columns are kept aside and written back."""
 
     key: tuple  # (prompt tokens, batch)
     max_new: int
@@ -80,6 +83,7 @@ class _Kept:
     lengths: torch.Tensor
     roots: torch.Tensor
     ctx: torch.Tensor | None
+    head_prompt: torch.Tensor | None = None  # the heads' cache over the prompt, B > 1
 
     def restore(self) -> _Rows:
         st, B = self.state, len(self.lengths)
@@ -87,6 +91,8 @@ class _Kept:
         for c in (st.cache, st.head_cache):
             if c.buf is not None:
                 c.rows = B
+        if self.head_prompt is not None:
+            st.head_cache.buf[:, :, :B, :, : self.ends[1]] = self.head_prompt
         ctx = None if self.ctx is None else self.ctx.clone()
         return _Rows(
             st.cache,
@@ -200,7 +206,8 @@ class Decoder:
     # Under inference_mode, not only no_grad: no op of a decode bumps version counters or
     # records views, which took ~3 ms of a ~35 ms step (plain and speculative alike, bf16
     # SmolLM2 on 2 Xeon cores). Every tensor a decode makes lives and dies inside it (its KV
-    # caches are allocated per decode), so none leaks out as an inference tensor.
+    # caches are allocated per decode), so none leaks out as an inference tensor; decode_kept's
+    # kept prefill outlives its call but is only ever read and written inside decode_kept.
     @torch.inference_mode()
     def plain(self, prompts: list, max_new_tokens: int) -> list[Generation]:
         """One base forward per token for the whole batch: the baseline to match and beat."""
@@ -253,6 +260,8 @@ class Decoder:
             ctx = None if st.ctx is None else st.ctx.clone()
             ends = (st.cache.end, st.head_cache.end)
             k = _Kept(key, longer, room, st, ends, st.lengths.clone(), st.roots, ctx)
+            if batch > 1 and st.head_cache.buf is not None:
+                k.head_prompt = st.head_cache.buf[:, :, :batch, :, : ends[1]].clone()
             self.kept = k
         return self._decode(ids, max_new_tokens, speculate, k.restore())
 
