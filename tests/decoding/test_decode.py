@@ -130,7 +130,7 @@ def test_a_kept_prefill_survives_rows_that_finish_apart(tiny_base, arch):
     def state():
         live = k.state.head_cache.buf
         heads_part = None if live is None else live[:, :, :4, :, :head_end].clone()
-        return k.state.cache.buf[:, :, :4, :, :P].clone(), heads_part, k.roots.clone()
+        return k.state.cache.buf[:, :, :4, :, :P].clone(), heads_part, k.state.roots.clone()
 
     before = state()
     lengths = set()

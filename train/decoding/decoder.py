@@ -78,29 +78,26 @@ class _Kept:
     key: tuple  # (prompt tokens, batch)
     max_new: int
     nodes: int  # tree nodes per step the caches have room for
-    state: _Rows
+    state: _Rows  # right after the prefill: decodes run on copies of its tensors, never on it
     ends: tuple[int, int]  # base and heads' cache write positions after the prefill
-    lengths: torch.Tensor
-    roots: torch.Tensor
-    ctx: torch.Tensor | None
     head_prompt: torch.Tensor | None = None  # the heads' cache over the prompt, B > 1
 
     def restore(self) -> _Rows:
-        st, B = self.state, len(self.lengths)
+        st, B = self.state, len(self.state.rows)
         st.cache.end, st.head_cache.end = self.ends
         for c in (st.cache, st.head_cache):
             if c.buf is not None:
                 c.rows = B
         if self.head_prompt is not None:
             st.head_cache.buf[:, :, :B, :, : self.ends[1]] = self.head_prompt
-        ctx = None if self.ctx is None else self.ctx.clone()
+        ctx = None if st.ctx is None else st.ctx.clone()
         return _Rows(
             st.cache,
             st.head_cache,
-            self.lengths.clone(),
+            st.lengths.clone(),
             st.start,
-            self.roots.clone(),
-            list(range(B)),
+            st.roots.clone(),
+            list(st.rows),
             ctx,
         )
 
@@ -257,9 +254,8 @@ class Decoder:
             self.kept = None  # its caches go before the new ones are allocated
             room, longer = max(nodes, KEPT_ROOM), max(max_new_tokens, KEPT_ROOM)
             st = self._prefill(ids, longer, self.heads is not None, room)
-            ctx = None if st.ctx is None else st.ctx.clone()
             ends = (st.cache.end, st.head_cache.end)
-            k = _Kept(key, longer, room, st, ends, st.lengths.clone(), st.roots, ctx)
+            k = _Kept(key, longer, room, st, ends)
             if batch > 1 and st.head_cache.buf is not None:
                 k.head_prompt = st.head_cache.buf[:, :, :batch, :, : ends[1]].clone()
             self.kept = k
