@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from hypothesis import strategies as st
 
-from train.core.config import compose, from_group, load
+from train.core.config import compose, conf_dir, from_group, load
 from train.decoding.decoder import Decoder
 from train.decoding.propose import Proposal
 
@@ -21,6 +21,13 @@ CLI = str(Path(sys.executable).parent / "hydra-heads")
 
 
 # -- configs, as the CLI composes them ---------------------------------------------------------
+
+
+def group_options(group: str) -> list[str]:
+    """A config group's options; `_shared.yaml` holds keys the options share and is not one."""
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml") if not p.stem.startswith("_"))
+
+
 def prep_config(overrides: list[str]):
     """A validated PrepConfig composed from conf/prep.yaml + overrides."""
     from data_prep.config import PrepConfig

@@ -8,7 +8,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from tests.helpers import prep_config
+from tests.helpers import group_options, prep_config
 from train.core.config import compose, conf_dir
 from train.core.config import load as to_typed
 from train.core.errors import ConfigError
@@ -41,11 +41,6 @@ USERS = {
 GROUPS = sorted(p.name for p in conf_dir().iterdir() if p.is_dir() and any(p.glob("*.yaml")))
 
 
-def _options(group: str) -> list[str]:
-    """A group's options; `_shared.yaml` holds keys the options share and is not one."""
-    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml") if not p.stem.startswith("_"))
-
-
 def test_every_primary_config_is_a_subcommand():
     from launch.cli import SUBCOMMANDS
 
@@ -62,7 +57,7 @@ def test_every_group_option_composes_and_validates(group):
     from evaluation.config import EvalConfig
     from train.config import TrainConfig
 
-    options = _options(group)
+    options = group_options(group)
     assert options, f"conf/{group} is empty"
     for option in options:
         for primary in USERS[group]:
@@ -251,7 +246,7 @@ def test_deepspeed_configs_are_valid_json_and_resolve():
         assert resolved["strategy"]["micro_batch_size"] == cfg.data.batch_size
 
 
-@pytest.mark.parametrize("trainer", _options("trainer"))
+@pytest.mark.parametrize("trainer", group_options("trainer"))
 def test_every_trainer_strategy_instantiates(trainer):
     """Each trainer config validates (every key an argument of its _target_) and its strategy
     builds: DeepSpeed / DDP / FSDP objects as configured, Lightning's own single-device

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import group_options
 from train.core.config import compose, conf_dir, load
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +36,7 @@ SCHEMAS = {
 SHELL_STOP = {"|", "||", "&&", ";", "&", "2>&1"}
 PLACEHOLDER = re.compile(r"^([A-Z][A-Z0-9_]*([./][\w./-]*)?|\.\.\.)$")
 COMMAND = re.compile(r"hydra-heads\s+(\S.*)")
+MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 @dataclass
@@ -77,6 +79,19 @@ def _add(found: list[Documented], where: str, text: str, in_block: bool, error=N
         found.append(Documented(where, argv, complete, error))
 
 
+def _joined(lines: list[str]):
+    """(first index, last index, text) of each line, a shell line continued by a trailing `\\`
+    joined with the lines it continues onto."""
+    i = 0
+    while i < len(lines):
+        start, text = i, lines[i]
+        while text.rstrip().endswith("\\") and i + 1 < len(lines):
+            i += 1
+            text = text.rstrip()[:-1] + " " + lines[i]
+        yield start, i, text
+        i += 1
+
+
 def _markdown(path: Path, found: list[Documented]) -> None:
     text = path.read_text()
     name = path.relative_to(ROOT)
@@ -84,18 +99,12 @@ def _markdown(path: Path, found: list[Documented]) -> None:
     for block in fence.finditer(text):
         line0 = text.count("\n", 0, block.start(1)) + 1
         lines = block.group(1).split("\n")
-        i = 0
-        while i < len(lines):
-            start, line = i, lines[i]
-            while line.rstrip().endswith("\\") and i + 1 < len(lines):  # a continued line
-                i += 1
-                line = line.rstrip()[:-1] + " " + lines[i]
-            nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        for start, end, line in _joined(lines):
+            nxt = lines[end + 1] if end + 1 < len(lines) else ""
             error = None
             if line.startswith("$ ") and nxt.startswith("error: "):
                 error = nxt[len("error: ") :].strip()
             _add(found, f"{name}:{line0 + start}", line, True, error)
-            i += 1
     prose = fence.sub(lambda m: "\n" * m.group(0).count("\n"), text)
     for span in re.finditer(r"`([^`]+)`", prose):
         line = prose.count("\n", 0, span.start()) + 1  # fences kept their newlines
@@ -106,13 +115,8 @@ def _yaml_comments(path: Path, found: list[Documented]) -> None:
     name = path.relative_to(ROOT)
     lines = path.read_text().split("\n")
     comments = [(i, line.split("#", 1)[1]) for i, line in enumerate(lines) if "#" in line]
-    i = 0
-    while i < len(comments):
-        n, text = comments[i]
-        while text.rstrip().endswith("\\") and i + 1 < len(comments):  # a continued command
-            i += 1
-            text = text.rstrip()[:-1] + " " + comments[i][1]
-        i += 1
+    for start, _, text in _joined([c for _, c in comments]):
+        n = comments[start][0]
         spans = re.findall(r"`([^`]+)`", text)
         for span in spans:
             _add(found, f"{name}:{n + 1}", span, False)
@@ -133,7 +137,7 @@ def _makefile(path: Path, found: list[Documented]) -> None:
 
 def documented() -> list[Documented]:
     found: list[Documented] = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for path in MARKDOWN:
         _markdown(path, found)
     for path in sorted(conf_dir().rglob("*.yaml")):
         _yaml_comments(path, found)
@@ -183,7 +187,7 @@ def _check(doc: Documented, overrides: list[str]) -> None:
     groups = {p.name for p in conf_dir().iterdir() if p.is_dir()}
     for key, _ in placeholders:  # a group placeholder (base=NAME): check with one of its options
         if key.lstrip("+") in groups:
-            given.append((key, _options(key.lstrip("+"))[0]))
+            given.append((key, group_options(key.lstrip("+"))[0]))
     cfg = compose(config_name, [f"{k}={v}" for k, v in given])
     plain = OmegaConf.to_container(cfg, resolve=False)
     missing = set(_missing_keys(plain))
@@ -206,10 +210,6 @@ def _check(doc: Documented, overrides: list[str]) -> None:
         for key in missing:
             OmegaConf.update(cfg, key, "placeholder")
     load(cfg, schema)
-
-
-def _options(group: str) -> list[str]:
-    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml") if p.stem[0] != "_")
 
 
 def _missing_keys(node, prefix: str = "") -> list[str]:
@@ -255,9 +255,6 @@ def test_documented_command_is_accepted(doc):
             assert shown.split(" ...")[0] in str(info.value), (
                 f"{doc.where}: documented error {doc.error!r}, got {info.value}"
             )
-
-
-MARKDOWN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _anchors(path: Path) -> set[str]:
