@@ -105,6 +105,34 @@ def test_eval_calibrated_tree_writes_figures_and_is_lossless(trained_heads, tmp_
     assert (again / "config.yaml").is_file()
 
 
+def test_decoding_delivers_the_acceptance_the_heads_have_on_the_decoded_texts(
+    trained_heads, tiny_prepared, tmp_path
+):
+    """bench_calibration.py: the heads' acceptance, measured teacher-forced on the very texts an
+    eval decoded, expects the tau the decoder got on its tree, and the eval's own held-out
+    expectation is read back. The random tiny base's greedy replies are not the counting data
+    the heads learnt, so here they are seldom accepted; the SmolLM2 figures are in the README."""
+    from evaluation.benchmarks.bench_calibration import measure
+
+    out = tmp_path / "eval"
+    _, res = _eval(
+        trained_heads,
+        out,
+        "tree=calibrated",
+        "tree.budget=12",
+        "tree.calibration_rows=6",
+        "eval.suite=heldout",
+        f"eval.prepared={tiny_prepared}",
+        "eval.num_prompts=4",
+        "eval.max_new_tokens=48",
+        "eval.compare_plain=false",
+    )
+    check = measure(out, 10, {})
+    assert check["nodes"] == res["tree"]["num_nodes"] and check["decoded"] == res["tau"]
+    assert check["expected_held_out"] == pytest.approx(res["tree"]["expected_tau"])
+    assert check["expected_own"] == pytest.approx(res["tau"], rel=0.1)
+
+
 def test_eval_jsonl_prompts_multi_turn_and_bad_rows(tiny_heads, tmp_path):
     prompts = tmp_path / "p.jsonl"
     rows = [
