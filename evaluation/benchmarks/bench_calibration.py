@@ -95,7 +95,8 @@ def main() -> None:
         print(f"| {r['eval']} | {r['nodes']} | {r['decoded']:.3f} | {r['expected_own']:.3f} | "
               f"{r['expected_own'] / r['decoded']:.3f} | {f'{held:.3f}' if held else '-'} | "
               f"{fmt(r['top1_own'])} | {fmt(r['top1_held_out'])} |")  # fmt: skip
-    print(f"(positions measured per head on the outputs: {results[0]['positions']})")
+    for r in results:
+        print(f"{r['eval']}: positions measured per head on its outputs: {r['positions']}")
 
 
 if __name__ == "__main__":
