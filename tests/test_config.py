@@ -178,7 +178,7 @@ def test_missing_required_value_names_the_key():
 def test_unknown_group_option_and_unknown_key_fail_in_hydra():
     with pytest.raises(ConfigCompositionException, match="smollm2_135m"):
         compose("prep", ["base=no_such_model", "out=x"])  # lists the available options
-    with pytest.raises(ConfigCompositionException):
+    with pytest.raises(ConfigCompositionException, match="max_lenght"):
         compose("prep", ["data.max_lenght=5", "out=x"])
 
 

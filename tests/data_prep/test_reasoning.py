@@ -8,7 +8,7 @@ import json
 import datasets
 import pytest
 
-from data_prep.normalize import RowError, conversation_key, normalize
+from data_prep.normalize import RowError, normalize
 from data_prep.template import Encoded, TemplateError, encode_batch, mask_method
 from tests.helpers import prep_config
 from train.core.base import tiny_tokenizer
@@ -149,9 +149,6 @@ def test_plain_chats_are_unchanged():
     rec = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     msgs = normalize(rec)
     assert msgs == rec["messages"]  # no extra keys: conversation keys (dedup, split) unchanged
-    assert conversation_key(msgs) == conversation_key(
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    )
     # "tool_calls": [] / null and an empty <think> block add nothing
     rec["messages"][1] |= {"tool_calls": [], "reasoning_content": None}
     assert normalize(rec) == msgs

@@ -135,7 +135,9 @@ def test_prep_regenerate_end_to_end_tiny(tmp_path):
     assert stats["regenerated"] is True
     assert not (tmp_path / "out.partial").exists()  # work dir removed once published
     tok = __import__("train.core.base", fromlist=["tiny_tokenizer"]).tiny_tokenizer()
-    for row in datasets.load_from_disk(str(tmp_path / "out"))["train"]:
+    rows = datasets.load_from_disk(str(tmp_path / "out"))["train"]
+    assert len(rows) > 0
+    for row in rows:
         assert "ORIGINAL" not in tok.decode(row["input_ids"])
 
 

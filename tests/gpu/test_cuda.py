@@ -138,6 +138,7 @@ def test_oracle_heads_accept_whole_paths_on_cuda(tiny_base, fp32_matmul, true_pa
     ref, gen = oracle_decode(model, heads, _encode(tiny_base.tokenizer, PROMPTS[1]), true_path)
     assert gen.tokens == ref
     assert gen.accepted[:-1] == [3] * (len(gen.accepted) - 1)
+    assert gen.tau > 3.5
 
 
 # -- the memory plan against a measured CUDA peak -------------------------------------------------

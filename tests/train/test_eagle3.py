@@ -339,7 +339,14 @@ def test_only_eagle3_heads_export_as_eagle3_and_a_normed_residual_is_refused(tmp
     export instead); eagle3 goes to hf and back; a speculators draft whose residual is
     normalised (or says nothing, which vLLM reads as normalised) is refused on import."""
     from train.export import FormatError, export_heads, import_heads
-    from train.heads import heads_meta, save_heads
+    from train.heads import heads_meta, load_heads, save_heads
+
+    def assert_same(hdir, want):
+        back, _ = load_heads(hdir, tiny_base.fingerprint())
+        mine, theirs = want.unique_state(), back.unique_state()
+        assert back.arch == "eagle3" and set(mine) == set(theirs)
+        for n, t in theirs.items():
+            assert torch.equal(t, mine[n]), n
 
     tiny = base_config("tiny_random", name="tiny_random")
     heads = random_one_layer_heads(tiny_base, "hydra_eagle")
@@ -357,6 +364,7 @@ def test_only_eagle3_heads_export_as_eagle3_and_a_normed_residual_is_refused(tmp
     assert cfg["architectures"] == ["Eagle3Heads"]
     assert "the inputs of layers 1, 1, 0" in (tmp_path / "hf" / "README.md").read_text()
     import_heads(tmp_path / "hf", "hf", tiny, tmp_path / "hf_back")
+    assert_same(tmp_path / "hf_back", e3)
     export_heads(e3dir, "speculators", tmp_path / "s")
     cfg_path = tmp_path / "s" / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -376,6 +384,7 @@ def test_only_eagle3_heads_export_as_eagle3_and_a_normed_residual_is_refused(tmp
     torch.save(load_file(str(weights)), tmp_path / "o" / "pytorch_model.bin")
     weights.unlink()
     import_heads(tmp_path / "o", "eagle3", tiny, tmp_path / "o_back")
+    assert_same(tmp_path / "o_back", e3)
     two = random_one_layer_heads(tiny_base, "eagle3", num_heads=1, aux_layers=[0, 1])
     two_dir = save_heads(
         tmp_path / "two", two, heads_meta(two, tiny_base.fingerprint(), tiny.to_dict())

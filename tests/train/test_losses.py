@@ -88,7 +88,7 @@ def test_bias_enters_logits_and_gets_its_gradient(chunk):
     for a, r in zip(torch.autograd.grad(out.loss, (s, w, b)), torch.autograd.grad(ref, (s, w, b)),
                     strict=True):  # fmt: skip
         assert torch.allclose(a, r, rtol=1e-4, atol=1e-5)
-    assert float(b.abs().sum()) > 0  # the bias really changed the logits
+    # the bias really changed the loss: without it the same call scores differently
     no_bias = fused_head_loss(s, w, tgt, tgt, ts, tw, 0.4, 1.0, T, chunk)
     assert abs(float(no_bias.loss) - float(out.loss)) > 1e-3
 
