@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch import nn
 
 from train.config import OptimConfig
+from train.core.errors import ConfigError
 from train.decoding.backend import head_features, wants_layers
 from train.heads import HeadSet, LossConfig
 from train.losses import METRIC_NAMES, HeadInput, fused_heads_loss
@@ -44,6 +45,23 @@ def chunked_argmax(h: torch.Tensor, weight: torch.Tensor, chunk: int = 1024) -> 
     for a in range(0, flat.shape[0], chunk):
         out[a : a + chunk] = (flat[a : a + chunk] @ weight.T.to(flat.dtype)).argmax(-1)
     return out.view(h.shape[:-1])
+
+
+# Head keys a resumed run may change: memory, and the initialisation the checkpoint replaces.
+RESUMABLE_HEAD_KEYS = {"head.loss.chunk_size", "head.init"}
+
+
+def head_changes(saved: dict, now: dict, prefix: str = "head") -> list[str]:
+    """The head config keys whose values differ between a checkpoint and this run (keys only
+    one of them records, as an older checkpoint format lacks newer ones, are not compared)."""
+    out = []
+    for k in sorted(set(saved) & set(now)):
+        a, b, name = saved[k], now[k], f"{prefix}.{k}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += head_changes(a, b, name)
+        elif a != b and name not in RESUMABLE_HEAD_KEYS:
+            out.append(f"{name}: {a!r} in the checkpoint, {b!r} now")
+    return out
 
 
 class HeadsModule(pl.LightningModule):
@@ -368,6 +386,14 @@ class HeadsModule(pl.LightningModule):
         saved = checkpoint.get("hydra_heads") or {}
         if saved and self.meta:
             check_base(saved, self.meta["base"], "in the checkpoint")
+            changed = head_changes(saved.get("head") or {}, self.meta.get("head") or {})
+            if changed:
+                raise ConfigError(
+                    "the checkpoint was trained with another head config ("
+                    + "; ".join(changed)
+                    + "): resume with the checkpoint's head settings, or train into a new out= "
+                    "(resume=false there)"
+                )
         # DeepSpeed's engine restores the module weights itself: its client state has none.
         sd = checkpoint.get("state_dict")
         if self.base_model is not None and sd is not None:
