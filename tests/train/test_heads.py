@@ -186,6 +186,16 @@ def test_config_validation_names_keys():
         head_config("hydra", draft_vocab_size=3)
 
 
+def test_a_hidden_state_offset_past_the_base_is_a_config_error(tiny_base):
+    from train.core.errors import ConfigError
+
+    shape, w = base_shape(tiny_base.config), tiny_base.lm_head.weight
+    n = tiny_base.config.num_hidden_layers
+    build_heads(head_config("hydra", hidden_state_offset=n - 1), shape, w)  # the first layer's
+    with pytest.raises(ConfigError, match=f"hidden_state_offset={n} reaches past this base's {n}"):
+        build_heads(head_config("hydra", hidden_state_offset=n), shape, w)
+
+
 @pytest.mark.parametrize(("name", "first"), [("hydra", 1), ("hydra_pp", 1), ("medusa", 0)])
 def test_tied_blocks_are_one_module_and_save_once(tmp_path, tiny_base, name, first):
     """head.tie_blocks: the H -> H blocks of a head are one module (zankner/Hydra's

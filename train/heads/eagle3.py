@@ -39,6 +39,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from train.core.errors import ConfigError
 from train.heads.blocks import DraftAttention, positions_after
 from train.heads.headset import RecurrentHeadSet
 
@@ -117,13 +118,13 @@ class Eagle3Heads(RecurrentHeadSet):
         aux = self.cfg.aux_layers
         if aux is None:
             if n_layers < 1:
-                raise ValueError(
+                raise ConfigError(
                     "eagle3 heads need the base's num_hidden_layers for their default "
                     "aux_layers; set head.aux_layers (e.g. [2, 15, 27])"
                 )
             aux = default_aux_layers(n_layers)
         if n_layers and max(aux) >= n_layers:
-            raise ValueError(
+            raise ConfigError(
                 f"head.aux_layers={list(aux)} reaches past this base's {n_layers} layers: give "
                 f"indices in 0..{n_layers - 1} (i: the input of layer i)"
             )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from train.core.errors import ConfigError
 from train.heads.config import HeadConfig
 from train.heads.eagle3 import Eagle3Heads
 from train.heads.headset import HeadSet
@@ -60,6 +61,12 @@ def build_heads(
 ) -> HeadSet:
     """Instantiate the head set named by `cfg.name` for a base of the given shape."""
     cls = HEADS[cfg.name]
+    n_layers = int(shape.get("num_hidden_layers") or 0)
+    if n_layers and cfg.hidden_state_offset >= n_layers:
+        raise ConfigError(
+            f"head.hidden_state_offset={cfg.hidden_state_offset} reaches past this base's "
+            f"{n_layers} layers: give 0 (the final hidden state) to {n_layers - 1}"
+        )
     return cls(
         cfg, int(shape["hidden_size"]), int(shape["vocab_size"]), lm_head_weight, draft_ids, shape
     )
