@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from train.core.errors import ConfigError
 from train.heads.config import RECURRENT, UNROLLED
 
 GPUS_GB = {"a100_40gb": 40, "a100_80gb": 80, "h100_80gb": 80, "h200": 141, "l40s": 48, "a10g": 24}
@@ -251,6 +252,19 @@ def base_arch(base) -> dict[str, Any]:
     """The architecture numbers of the base, without loading its weights: `base.arch` when the
     config gives it, else the model's own config (local dir, HF cache or the GGUF's cached copy)."""
     if base.arch:
+        # tie_word_embeddings may be left out (false), num_key_value_heads too (= the heads), and
+        # an MoE's intermediate_size where it gives moe_intermediate_size
+        optional = {"tie_word_embeddings", "num_key_value_heads"}
+        if base.arch.get("moe_intermediate_size"):
+            optional.add("intermediate_size")
+        need = [k for k in ARCH_KEYS if k not in optional]
+        missing = [k for k in need if base.arch.get(k) is None]
+        if missing:
+            raise ConfigError(
+                f"base.arch of base={base.name} lacks {', '.join(missing)}: give every one of "
+                f"{', '.join(need)} (the model's config.json has them), or remove base.arch to "
+                "read them from the model's own config"
+            )
         return dict(base.arch)
     if base.source == "tiny_random":
         from train.core.base import tiny_tokenizer

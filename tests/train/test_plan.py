@@ -36,6 +36,18 @@ def test_zero3_shards_the_base_and_ddp_does_not_fit_70b():
     assert r.returncode == 0 and "does not fit" in r.stdout and "smallest change" in r.stdout
 
 
+def test_a_partial_base_arch_names_the_missing_keys():
+    from train.core.errors import ConfigError
+
+    base = train_config([*LLAMA70, "trainer=ddp"]).base
+    partial = base.model_copy(update={"arch": {"hidden_size": 8192, "vocab_size": 32000}})
+    with pytest.raises(ConfigError, match="llama2_70b lacks num_hidden_layers, intermediate_size"):
+        base_arch(partial)
+    moe = {**base.arch, "moe_intermediate_size": 64, "num_experts": 4}
+    moe.pop("intermediate_size")
+    assert base_arch(base.model_copy(update={"arch": moe}))["moe_intermediate_size"] == 64
+
+
 def test_unknown_gpu_is_a_clear_error():
     r = run_here("plan", "gpu=tpu_v9", "out=/x", "data.prepared=/p", "base=tiny_random")
     assert r.returncode == 2 and "gpu='tpu_v9'" in r.stderr
