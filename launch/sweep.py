@@ -27,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from launch.config import SweepConfig
+from launch.grid import override_value
 from launch.points import eval_command, run_point, train_command, write_report
 from launch.search import run_search, submit_workers
 from launch.sweep_state import (
     load_state,
     locked,
+    plan_points,
     point_lock,
     read_point,
     read_state,
@@ -45,6 +47,60 @@ from train.core.errors import ConfigError
 __all__ = ["run_sweep", "submit_points"]
 
 
+def train_variants(cfg: SweepConfig) -> list[list[str]]:
+    """Override lists that together hold every value a point's training may get: each grid
+    point; for a search, every choice and both ends of every range, each beside the first
+    value of the other keys."""
+    spec = cfg.sweep
+    if spec.search is None:
+        points = {tuple(p["train_overrides"]): p["train_overrides"] for p in plan_points(spec)}
+        return list(points.values())
+    values = {
+        key: [
+            v if isinstance(v, str) else override_value(v)
+            for v in (
+                p.choices
+                if p.choices is not None
+                else [int(p.low), int(p.high)]
+                if p.integer
+                else [p.low, p.high]
+            )
+        ]
+        for key, p in spec.search.space.items()
+    }
+    first = {k: f"{k}={vs[0]}" for k, vs in values.items()}
+    return [
+        [f"{key}={v}" if k2 == key else o for k2, o in first.items()]
+        for key, vs in values.items()
+        for v in vs
+    ]
+
+
+def check_points(cfg: SweepConfig) -> None:
+    """Compose and validate every point's train config before any point runs (a misspelled
+    grid or search key fails here, once, not in every point's training)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from train.config import TrainConfig
+    from train.core.config import compose, load
+
+    spec = cfg.sweep
+    for overrides in train_variants(cfg):
+        args = [*spec.train, *overrides, *cfg.train_args, *cfg.job_train_args]
+        try:
+            load(compose("train", [*args, "out=sweep-check"]), TrainConfig)
+        except (ConfigError, HydraException, OmegaConfBaseException) as e:
+            msg = str(e).strip()
+            if not isinstance(e, ConfigError):  # hydra's first line names the key; its hint to
+                msg = msg.splitlines()[0]  # append with + would not fix a misspelling
+            raise ConfigError(
+                f"sweep {spec.name}: a point's training would fail its config check with "
+                f"{' '.join(overrides) or 'no point overrides'} ({msg}); fix the sweep's train "
+                "keys, grid, search space or train_args"
+            ) from None
+
+
 def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
     """Run (or resume) every unfinished point; return the final sweep.json content."""
     out = Path(cfg.out).expanduser().resolve()
@@ -52,6 +108,7 @@ def run_sweep(cfg: SweepConfig, progress: bool = True) -> dict[str, Any]:
     if cfg.dry_run:
         state = load_state(out, spec)
     else:
+        check_points(cfg)
         out.mkdir(parents=True, exist_ok=True)
         with locked(out / "sweep.json"):
             state = load_state(out, spec)

@@ -120,6 +120,17 @@ def test_bad_searches_fail_clearly(tiny_prepared, tmp_path, override, message):
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+def test_a_misspelled_space_key_fails_before_any_trial(tiny_prepared, tmp_path):
+    space = "+sweep.search.space={head: {choices: [hydra]}, optim.lrr: {low: 0.001, high: 0.01}}"
+    out = tmp_path / "s"
+    r = run_here("sweep", *search_args(out, tiny_prepared), "~sweep.search.space", space)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "would fail its config check with head=hydra optim.lrr=0.001 (Could not override" in (
+        r.stderr
+    )
+    assert not (out / "study.db").exists()
+
+
 def test_search_and_grid_together_is_an_error(tiny_prepared, tmp_path):
     args = [*search_args(tmp_path / "s", tiny_prepared), 'grid=["head=medusa,hydra"]']
     r = run_here("sweep", *args)

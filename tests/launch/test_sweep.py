@@ -222,6 +222,15 @@ def test_slurm_point_script_and_grid_values(tiny_prepared, tmp_path, monkeypatch
     assert job_cfg.backend == "local" and job_cfg.train_prefix[0] == "srun"
 
 
+def test_a_misspelled_grid_key_fails_before_any_point(tiny_prepared, tmp_path):
+    out = tmp_path / "s"
+    args = ["sweep=architectures", f"out={out}", 'grid=["optim.lrr=0.1,0.2"]']
+    r = run_here("sweep", *args, f'train_args=["data.prepared={tiny_prepared}"]')
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "a point's training would fail its config check with optim.lrr=0.1" in r.stderr
+    assert "Traceback" not in r.stderr and not (out / "sweep.json").exists()
+
+
 def test_a_corrupt_sweep_state_fails_naming_the_file_and_the_fix(tmp_path):
     """sweep.json cut short (a full disk, an interrupted copy) or replaced: a one-line error
     that names the file and what to do, from the CLI and from every reader of the state."""

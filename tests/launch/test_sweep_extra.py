@@ -179,7 +179,15 @@ def test_a_point_finished_by_another_process_meanwhile_is_not_run_again(tmp_path
 
     out = tmp_path / "s"
     cfg = to_typed(
-        compose("sweep", [f"out={out}", "sweep.grid={head:[medusa,hydra]}", "report=false"]),
+        compose(
+            "sweep",
+            [
+                f"out={out}",
+                "sweep.grid={head:[medusa,hydra]}",
+                "report=false",
+                'train_args=["data.prepared=/p"]',
+            ],  # fmt: skip
+        ),
         SweepConfig,
     )
     ran = []
