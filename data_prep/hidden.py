@@ -135,7 +135,7 @@ def cache_hidden_states(
     Computes this rank's chunks into `work/<split>/` (skipping those already there); rank 0
     then waits for every chunk and returns the DatasetDict, the others return None.
     """
-    from rich.progress import Progress
+    from tqdm.auto import tqdm  # as regeneration: its updates reach a log file too (rich's not)
 
     if device.startswith("cuda") and ranks.world > 1:
         device = f"cuda:{ranks.local}"
@@ -149,14 +149,13 @@ def cache_hidden_states(
         if c % ranks.world == ranks.rank and not (work / split / f"chunk-{c:05d}").is_dir()
     ]
     label = "caching hidden states" + (f" (rank {ranks.rank}/{ranks.world})" * (ranks.world > 1))
-    with Progress() as bar:
-        task = bar.add_task(label, total=sum(len(idx) for _, _, idx in todo))
+    with tqdm(total=sum(len(idx) for _, _, idx in todo), desc=label, unit="sample") as bar:
         for split, c, idx in todo:
             ids = dd[split].select(idx)["input_ids"]
             rows = []
             for i in range(0, len(ids), batch_size):
                 rows += _forward(base, ids[i : i + batch_size], device, aux_layers)
-                bar.advance(task, len(ids[i : i + batch_size]))
+                bar.update(len(ids[i : i + batch_size]))
             (work / split).mkdir(parents=True, exist_ok=True)
             _save_chunk(work / split / f"chunk-{c:05d}", rows, H, aux_layers)
     if ranks.rank != 0:
