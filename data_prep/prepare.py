@@ -621,6 +621,11 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
         stats = make_stats(dd)
     if not keep_states:  # else the merged sources' own states, which they share
         stats.update(cached_hidden=cfg.cache_hidden, cached_aux_layers=cfg.cache_aux_layers)
+    feats = next(iter(dd.values())).features
+    if "hidden" in feats:  # offline training checks it against its base's hidden size
+        stats["cached_hidden_size"] = int(feats["hidden"].shape[1])
+    else:
+        stats.pop("cached_hidden_size", None)
     build = partial / f"build-{os.getpid()}"
     shutil.rmtree(build, ignore_errors=True)
     with _timed(timing, "save_s"):
@@ -892,6 +897,8 @@ def _split_stats(dd) -> tuple[dict[str, dict], int]:
 
 
 def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths, tokenizer) -> dict:
+    from train.core.base import tokenizer_fingerprint
+
     per_split, max_id = _split_stats(dd)
     pieces = column_array(kept, "piece")
     return {
@@ -923,6 +930,7 @@ def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths, tokenizer) ->
         "splits": per_split,
         "seed": cfg.seed,
         "max_token_id": max_id,  # train checks it against the base vocab
+        "tokenizer": tokenizer_fingerprint(tokenizer),  # train and eval: the same vocabulary
         # a mixture (data.sources): its totals, and each source's counts by name
         **{k: read_info[k] for k in ("mixture", "sources") if k in read_info},
     }

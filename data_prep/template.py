@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+from jinja2 import TemplateError as JinjaTemplateError
 
 from train.core.errors import UserError
 
@@ -27,9 +28,15 @@ class Encoded:
 
 
 def render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
-    )
+    """The chat template's rendering; TemplateError where the template refuses the conversation
+    (its `raise_exception`: Gemma's templates refuse a system turn, several refuse turns that do
+    not alternate), so prep skips and counts that row as `template_error`."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except JinjaTemplateError as e:
+        raise TemplateError(f"the chat template refuses this conversation: {e}") from e
 
 
 def loss_spans(

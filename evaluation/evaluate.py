@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jinja2 import TemplateError as JinjaTemplateError
 
 from evaluation.calibrate import calibrate, choose_tree
 from evaluation.config import EvalConfig, EvalSettings, TreeConfig
@@ -25,7 +26,13 @@ from train.core.atomic import write_json, write_text
 from train.core.base import BaseConfig, FrozenBase, load_base, recorded_base
 from train.core.checkpoint import read_meta
 from train.core.errors import ConfigError, NotFound, UserError
-from train.core.prompts import PromptItem, held_out_prompts, jsonl_prompts, prepared_rows
+from train.core.prompts import (
+    PromptItem,
+    check_prepared_base,
+    held_out_prompts,
+    jsonl_prompts,
+    prepared_rows,
+)
 from train.core.readers import DataError, SkipLog
 from train.decoding.backend import quantize_base, use_gqa_attention, use_weight_layout
 from train.decoding.decoder import Decoder
@@ -119,7 +126,15 @@ def render_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
             "the base tokenizer has no chat template, so chat prompts cannot be rendered; use a "
             "chat model or held-out prepared prompts (eval.prepared=DIR)"
         )
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except JinjaTemplateError as e:  # the template's raise_exception, e.g. Gemma on a system turn
+        roles = ", ".join(m["role"] for m in messages)
+        raise ConfigError(
+            f"the base's chat template refuses an eval prompt with the turns [{roles}]: {e}; "
+            "drop what it refuses from the prompts (for example their system prompt) or evaluate "
+            "held-out prepared prompts (eval.suite=heldout)"
+        ) from e
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -228,13 +243,13 @@ def calibrated_tree(
     return tree, info
 
 
-def use_tree(decoder: Decoder, tree: Tree | DynamicTree, out: Path) -> dict[str, Any]:
-    """Set `tree` on `decoder`, save it as <out>/tree.json; returns its eval.json fields."""
+def use_tree(decoder: Decoder, tree: Tree | DynamicTree) -> dict[str, Any]:
+    """Set `tree` on `decoder`; returns its eval.json fields (run_eval saves a static tree as
+    tree.json beside eval.json)."""
     decoder.set_tree(tree)
     if isinstance(tree, DynamicTree):  # no one tree to save: each step grows its own
         depth = tree.levels(decoder.heads.draft_depth, decoder.heads.depth_limit)
         return dict(asdict(tree), num_nodes=tree.budget, depth=depth)
-    tree.save(out / "tree.json")
     return dict(
         paths=tree.to_json(), num_nodes=tree.num_nodes - 1, depth=tree.max_depth, file="tree.json"
     )
@@ -362,19 +377,20 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 # -- the run ---------------------------------------------------------------------------------
 def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
     """Decode cfg's prompts with the heads' tree and plainly; write <out>/eval.json (returned),
-    tree.json and config.yaml (`config_yaml`, the resolved config). Bad input fails before any
-    decoding; a greedy output unlike plain greedy decoding raises LosslessError at the end."""
+    tree.json and config.yaml (`config_yaml`, the resolved config), together at the end. Bad input
+    fails before any decoding; a greedy output unlike plain greedy decoding raises LosslessError
+    at the end."""
     ev = cfg.eval
     if ev.threads:
         torch.set_num_threads(ev.threads)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    if config_yaml is not None:
-        write_text(out / "config.yaml", config_yaml)
     t_setup = time.perf_counter()
     base, decoder, tree, meta = setup(cfg)
     load_s = time.perf_counter() - t_setup  # base, heads, weight layout
     prepared = ev.prepared or (meta.get("training") or {}).get("prepared")
+    if prepared:  # its held-out rows calibrate tree=auto and give eval.suite=heldout's prompts
+        check_prepared_base(prepared, base.tokenizer, "eval.prepared")
     skips = SkipLog()
     items, rows = load_prompts(cfg, prepared, tree is None, skips)
     tree_info: dict[str, Any] = {"kind": cfg.tree.kind}
@@ -382,10 +398,15 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
         tree, tree_info = calibrated_tree(
             cfg.tree, decoder, rows, items, base.tokenizer, ev.batch_size
         )
-    tree_info.update(use_tree(decoder, tree, out))
+    tree_info.update(use_tree(decoder, tree))
     calibrate_s, choose_s = tree_info.pop("calibrate_s", 0.0), tree_info.pop("choose_s", 0.0)
     setup_s = time.perf_counter() - t_setup
     records, spec, plain, mismatches = decode_prompts(decoder, items, base.tokenizer, ev, skips)
+    if not records:  # every prompt over the limit: nothing measured is not a result
+        raise ConfigError(
+            f"no eval prompt fits eval.max_prompt_tokens={ev.max_prompt_tokens} (skipped: "
+            f"{dict(skips.counts)}): raise it (within the base's context), or give shorter prompts"
+        )
     result = {
         **summarize(spec, plain, tree_info["depth"]),
         **intervals(records),
@@ -435,6 +456,14 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
         },
         "records": records,
     }
+    # config.yaml and tree.json go beside the eval.json they produced, all at the end: an eval
+    # that fails leaves an earlier result in `out` whole, never paired with another's config
+    if config_yaml is not None:
+        write_text(out / "config.yaml", config_yaml)
+    if isinstance(tree, Tree):
+        tree.save(out / "tree.json")
+    else:  # a dynamic tree has none: an earlier static eval's would mislead
+        (out / "tree.json").unlink(missing_ok=True)
     write_json(out / "eval.json", result)
     if mismatches:
         raise LosslessError(

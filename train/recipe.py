@@ -19,6 +19,7 @@ from train.core.atomic import write_json, write_text
 from train.core.base import DeferredBase, FrozenBase, load_base
 from train.core.errors import AlreadyExists, NotFound
 from train.core.hardware import cpu_has_bf16, resolve_precision
+from train.core.prompts import check_prepared_base
 from train.data import (
     NOT_RESUMABLE_WARNING,
     PreparedDataModule,
@@ -155,6 +156,8 @@ def build_module(
     dd = load_prepared(cfg.data.prepared, offline=offline)  # bad data fails before the base loads
     base = DeferredBase(cfg.base) if defer_base else load_base(cfg.base)
     check_vocab(cfg.data.prepared, base.vocab_size)
+    hidden = base.hidden_size if offline else None
+    check_prepared_base(cfg.data.prepared, base.tokenizer, "data.prepared", hidden)
     fp = base.fingerprint()
     draft_ids = None
     if cfg.head.draft_vocab_size is not None:

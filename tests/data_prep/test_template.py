@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from data_prep.template import Encoded, TemplateError, chunk, encode_batch, loss_spans
@@ -111,8 +111,7 @@ def test_mask_property_chatml(tiny_tokenizer, pairs):
         for q, a in pairs
         for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})
     ]
-    if not msgs:
-        return
+    assume(msgs)  # all-whitespace pairs: Hypothesis draws another example
     (enc,) = encode_batch(tiny_tokenizer, [msgs], ("assistant",))
     runs = masked_runs(enc.input_ids, enc.loss_mask)
     joined = "".join(tiny_tokenizer.decode(r) for r in runs)
@@ -141,6 +140,37 @@ def test_template_that_rewrites_history_has_its_turns_found(tiny_tokenizer):
         loss_spans(tok, CONVS[0])
     (res,) = encode_batch(tok, [CONVS[0]], ("assistant",))
     assert isinstance(res, TemplateError)
+
+
+# Gemma's templates refuse a system turn through the template's own raise_exception
+REFUSES_SYSTEM = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_conversation_the_template_refuses_is_one_skipped_row(tiny_tokenizer):
+    """The template's raise_exception (a jinja2 error) becomes our TemplateError for that row,
+    which prep counts as template_error, while the other rows of the batch encode."""
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = REFUSES_SYSTEM
+    system = [{"role": "system", "content": "Be brief."}, *CONVS[0]]
+    bad, good = encode_batch(tok, [system, CONVS[0]], ("assistant",))
+    assert isinstance(bad, TemplateError) and "System role not supported" in str(bad)
+    assert isinstance(good, Encoded) and sum(good.loss_mask) > 0
+
+
+def test_an_eval_prompt_the_template_refuses_is_a_config_error(tiny_tokenizer):
+    from evaluation.evaluate import render_chat
+    from train.core.errors import ConfigError
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = REFUSES_SYSTEM
+    assert render_chat(tok, [{"role": "user", "content": "hi"}])
+    with pytest.raises(ConfigError, match=r"refuses an eval prompt with the turns \[system, user"):
+        render_chat(tok, [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}])
 
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3"])

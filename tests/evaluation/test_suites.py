@@ -131,6 +131,17 @@ def tiny_heads(tmp_path_factory, tiny_prepared, tiny_base) -> Path:
     return save_heads(tmp_path_factory.mktemp("heads") / "heads", heads, meta)
 
 
+def test_eval_where_no_prompt_fits_fails_and_writes_no_result(tiny_heads, tmp_path):
+    out = tmp_path / "eval"
+    r = run_here("eval", f"heads={tiny_heads}", f"out={out}", "eval.suite=mt_bench",
+                 "eval.num_prompts=2", "eval.max_prompt_tokens=8", "tree=chain")  # fmt: skip
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "no eval prompt fits eval.max_prompt_tokens=8 (skipped: {'prompt_too_long': 2})" in (
+        r.stderr
+    )
+    assert not (out / "eval.json").exists()
+
+
 def test_eval_mt_bench_writes_figures_per_category(tiny_heads, tmp_path):
     out = tmp_path / "eval"
     r = run_here(

@@ -140,6 +140,31 @@ def test_data_prepared_for_another_tokenizer_is_refused(tiny_prepared, tmp_path)
         load_prepared(tiny_prepared, vocab_size=100)
 
 
+def test_data_prepared_for_another_base_of_the_same_vocab_size_is_refused(
+    tiny_prepared, tiny_tokenizer, tmp_path
+):
+    """Token ids that fit are not enough: prep records its tokenizer's fingerprint and the
+    width of the states it cached, and train and eval compare them with their base's."""
+    import json
+    import shutil
+
+    from train.core.errors import ConfigError
+    from train.core.prompts import check_prepared_base
+
+    stats = json.loads((tiny_prepared / "prep_stats.json").read_text())
+    H = stats["cached_hidden_size"]
+    check_prepared_base(tiny_prepared, tiny_tokenizer, "data.prepared", H)  # its own base
+    other = tmp_path / "other"
+    shutil.copytree(tiny_prepared, other)
+    (other / "prep_stats.json").write_text(json.dumps({**stats, "cached_hidden_size": H * 2}))
+    check_prepared_base(other, tiny_tokenizer, "data.prepared")  # online: the states unused
+    with pytest.raises(ConfigError, match=f"hidden states of width {H * 2} .* hidden size is {H}"):
+        build_module(_cfg(other, tmp_path, "data.offline=true"))
+    (other / "prep_stats.json").write_text(json.dumps({**stats, "tokenizer": "0123456789abcdef"}))
+    with pytest.raises(ConfigError, match="tokenized for another base .*tokenizer 0123456789ab"):
+        build_module(_cfg(other, tmp_path))
+
+
 def test_bucket_sampler_is_deterministic_and_splits_ranks():
     import numpy as np
 
@@ -341,11 +366,14 @@ def test_progress_bar_shows_steps_not_a_negative_epoch_total(tiny_prepared, tmp_
 
     from train.recipe import StepProgressBar, fit, make_trainer
 
-    seen = []
+    seen, bars = [], []
 
     class Probe(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             bar = trainer.progress_bar_callback
+            bars.append(bar)
+            if bar is None:
+                return
             task = bar.progress.tasks[bar.train_progress_bar_id]
             seen.append((type(bar), task.description, bar.get_metrics(trainer, pl_module)))
 
@@ -360,7 +388,13 @@ def test_progress_bar_shows_steps_not_a_negative_epoch_total(tiny_prepared, tmp_
     assert [m["step"] for *_, m in seen] == ["1/3", "2/3", "3/3"]
     # Off where the trainer turns progress bars off, as before (no error, no bar).
     off = _cfg(tiny_prepared, tmp_path / "off", "trainer.max_steps=1", "final_validation=false")
-    fit(off, lambda **kw: make_trainer(off, **{**kw, "enable_progress_bar": False}))
+
+    def make_off(**kw):
+        kw = {**kw, "callbacks": [*kw["callbacks"], Probe()], "enable_progress_bar": False}
+        return make_trainer(off, **kw)
+
+    fit(off, make_off)
+    assert len(seen) == 3 and len(bars) == 4 and bars[-1] is None
 
 
 @pytest.mark.parametrize(

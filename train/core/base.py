@@ -333,6 +333,13 @@ class FrozenBase:
         return self.lm_head.weight
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the tokenizer's vocabulary (added tokens included): prepared data records
+    it, so training and eval can tell data tokenized for another model by it, not by name."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 def _fingerprint(name: str, config: Any, state: dict[str, torch.Tensor]) -> dict[str, Any]:
     shapes = sorted((k, tuple(v.shape)) for k, v in state.items())
     return {

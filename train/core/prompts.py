@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from train.core.errors import NotFound
+from train.core.errors import ConfigError, NotFound
 from train.core.readers import DEFAULT_ROLE_MAP, DataError, SkipLog, iter_jsonl
 
 
@@ -98,6 +98,41 @@ def first_turn_prompt(input_ids: list[int], loss_mask: list[int]) -> list[int] |
     first user turn and the assistant header, exactly as the chat template rendered them."""
     first = loss_mask.index(1) if 1 in loss_mask else 0
     return input_ids[:first] if first > 0 else None
+
+
+def check_prepared_base(
+    path: str | Path, tokenizer, where: str, hidden_size: int | None = None
+) -> None:
+    """Refuse a prep output made for another base: its tokens from another vocabulary (the
+    tokenizer fingerprint prep records), or, given `hidden_size`, its cached hidden states of
+    another width. Outputs of older releases, which record neither, pass."""
+    import json
+
+    from train.core.base import tokenizer_fingerprint
+
+    p = Path(path).expanduser()
+    try:
+        stats = json.loads((p / "prep_stats.json").read_text())
+    except (OSError, ValueError):
+        return  # a missing or damaged output is reported by whoever reads its rows
+    if not isinstance(stats, dict):
+        return
+    made_for = stats.get("base")
+    recorded = stats.get("tokenizer")
+    if recorded and recorded != tokenizer_fingerprint(tokenizer):
+        raise ConfigError(
+            f"{where}={p} was tokenized for another base (base={made_for}, tokenizer {recorded}) "
+            f"than this one's tokenizer ({tokenizer_fingerprint(tokenizer)}): prepare it again "
+            f"with this base (`hydra-heads prep ... base=...`), or use the base it was made for"
+        )
+    cached = stats.get("cached_hidden_size")
+    if hidden_size is not None and cached is not None and int(cached) != int(hidden_size):
+        raise ConfigError(
+            f"{where}={p} holds hidden states of width {cached} (base={made_for}), but this "
+            f"base's hidden size is {hidden_size}: cache them with this base (`hydra-heads prep "
+            f"from_prepared={p} cache_hidden=true base=... out=NEW_DIR`) or set "
+            "data.offline=false"
+        )
 
 
 def prepared_rows(path: str | Path, split: str = "validation"):
