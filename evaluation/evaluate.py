@@ -54,7 +54,7 @@ def base_config(cfg: EvalConfig, meta: dict) -> BaseConfig:
     """The base to load: cfg.base if given, else the one recorded in the heads' `meta`."""
     if cfg.base is not None:
         return cfg.base
-    recorded = meta.get("base", {}).get("config")
+    recorded = (meta.get("base") or {}).get("config")
     if not recorded:
         raise ConfigError(
             f"{cfg.heads} does not record its base model; pass base=NAME (e.g. base=smollm2_135m)"
@@ -147,12 +147,14 @@ def _first_prompt(tokenizer, item: PromptItem) -> list[int]:
 
 def calibration_split(prepared: str | None, kind: str):
     """The held-out rows of prep output `prepared` for tree=`kind`; else an error saying why."""
+    why = "the heads name no prep output"
     if prepared:
+        why = f"{prepared} has none" if Path(prepared).exists() else f"{prepared} does not exist"
         with suppress(NotFound, DataError):
             return prepared_rows(prepared)
     raise ConfigError(
         f"tree={kind} measures the heads on held-out (validation) rows of a prep output, and "
-        f"{f'{prepared} has none' if prepared else 'the heads name no prep output'}: pass "
+        f"{why}: pass "
         "eval.prepared=DIR (a prep output made with data.val_fraction > 0) or choose a fixed "
         "tree (tree=mc_sim_7b_63, tree=chain)"
     )

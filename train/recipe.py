@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -94,6 +95,37 @@ def use_step_progress_bar(trainer: pl.Trainer) -> bool:
         return False
     trainer.callbacks[trainer.callbacks.index(bar)] = StepProgressBar()
     return True
+
+
+class LogProgress(pl.Callback):
+    """A log line every `every_s` seconds of training: step, seconds a step, time left and the
+    train loss. Where the console is not a terminal (a SLURM or nohup log file) the rich bar
+    draws nothing until the run ends, so this is what such a log shows while it trains."""
+
+    def __init__(self, every_s: float = 60.0):
+        self.every_s = every_s
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.t0 = self.last = time.perf_counter()
+        self.step0 = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every_s or not trainer.is_global_zero:
+            return
+        self.last = now
+        step, total = trainer.global_step, trainer.max_steps
+        msg = f"step {step}/{total}" if total and total > 0 else f"step {step}"
+        done = step - self.step0
+        if done > 0:
+            per = (now - self.t0) / done
+            msg += f", {per:.2f} s a step"
+            if total and total > step:
+                msg += f", about {(total - step) * per / 60:.1f} min left"
+        loss = trainer.callback_metrics.get("train/loss")
+        if loss is not None:
+            msg += f", train/loss {float(loss):.3f}"
+        log.info(msg)
 
 
 class SaveOnInterrupt(pl.Callback):
@@ -258,6 +290,8 @@ def fit(
     build = make or (lambda **kw: make_trainer(cfg, **kw))
     trainer = build(callbacks=callbacks, logger=logger, default_root_dir=str(out))
     use_step_progress_bar(trainer)
+    if trainer.progress_bar_callback is not None and not sys.stdout.isatty():
+        trainer.callbacks.append(LogProgress())  # a log file sees no rich bar until the end
     warn_slow_cpu_bf16(trainer)
     # Under ZeRO-3 a base bigger than one GPU (or one host's share) must be built already
     # partitioned: its loading waits for the strategy's zero.Init context (configure_model).

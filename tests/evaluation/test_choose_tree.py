@@ -75,3 +75,16 @@ def test_no_tree_clears_the_margin_decodes_plainly():
     best, options = choose_tree(FakeDecoder(), weak, [1, 2], budget=4, min_speedup=1.05)
     assert best is options[0] and best.tree.num_nodes == 1
     assert all(o.expected_speedup < 1.05 for o in options)
+
+
+def test_a_calibration_without_held_out_rows_says_why(tmp_path):
+    from evaluation.evaluate import calibration_split
+    from train.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="and the heads name no prep output: pass"):
+        calibration_split(None, "auto")
+    with pytest.raises(ConfigError, match="gone does not exist: pass eval.prepared=DIR"):
+        calibration_split(str(tmp_path / "gone"), "auto")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="empty has none: pass"):
+        calibration_split(str(tmp_path / "empty"), "calibrated")

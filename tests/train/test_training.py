@@ -359,6 +359,25 @@ def test_an_unknown_precision_is_refused_before_any_work(tiny_prepared, tmp_path
         _cfg(tiny_prepared, tmp_path, "trainer.precision=bf17")
 
 
+def test_progress_is_logged_where_the_console_is_not_a_terminal(tiny_prepared, tmp_path, caplog):
+    """A SLURM or nohup log sees no rich bar until the end: LogProgress writes lines."""
+    import logging
+
+    from train.recipe import LogProgress, fit, make_trainer
+
+    cfg = _cfg(tiny_prepared, tmp_path, "trainer.max_steps=3", "final_validation=false")
+
+    def make(**kw):
+        return make_trainer(cfg, **{**kw, "callbacks": [*kw["callbacks"], LogProgress(0.0)]})
+
+    with caplog.at_level(logging.INFO, logger="train.recipe"):
+        fit(cfg, make)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert [x.split(",")[0] for x in lines] == ["step 1/3", "step 2/3", "step 3/3"], lines
+    assert " s a step, about " in lines[0] and " min left, train/loss " in lines[0], lines
+    assert "min left" not in lines[-1]
+
+
 def test_progress_bar_shows_steps_not_a_negative_epoch_total(tiny_prepared, tmp_path):
     """A run budgeted in steps (max_epochs=-1) has no epoch total: the bar says `Epoch N`, not
     Lightning's `Epoch N/-2`, and counts optimizer steps out of trainer.max_steps."""

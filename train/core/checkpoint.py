@@ -269,7 +269,7 @@ def check_base(meta: dict, fingerprint: dict, where: str = "") -> None:
     want = (meta["hidden_size"], meta["vocab_size"])
     have = (fingerprint["hidden_size"], fingerprint["vocab_size"])
     if want != have:
-        trained = meta.get("base", {}).get("name")
+        trained = (meta.get("base") or {}).get("name")
         raise HeadsMismatchError(
             f"heads {where} were trained for a base with hidden_size={want[0]}, "
             f"vocab_size={want[1]} ({trained}), but this base model ({fingerprint.get('name')}) "

@@ -75,7 +75,7 @@ def read(src: Path) -> Parsed:
         hidden_size=int(meta["hidden_size"]),
         vocab_size=int(meta["vocab_size"]),
         state=load_state(weights),
-        base_id=str(config.get("base_model_name_or_path") or meta.get("base", {}).get("name")),
+        base_id=str(config.get("base_model_name_or_path") or (meta.get("base") or {}).get("name")),
         base_shape=meta.get("base_shape"),
         recorded_base=(meta.get("base") or {}).get("config"),
         extra={k: v for k, v in meta.items() if k not in ("imported",)},
