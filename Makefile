@@ -53,19 +53,23 @@ sweep-demo: setup
 	test -f $(DEMO)/data/dataset_dict.json || $(BIN)/hydra-heads prep data.max_conversations=2000 out=$(DEMO)/data overwrite=true
 	$(BIN)/hydra-heads sweep sweep=architectures out=$(SWEEP) 'train_args=["data.prepared=$(DEMO)/data"]'
 
-# The one-hour CPU recipe (conf/experiment/smollm2_cpu_1h.yaml), one thread per process:
-# self-distilled prep (2,327 first turns + hidden-state cache: 62 min beside two other jobs), Hydra++ training
-# (~1 h), then MT-Bench (8 questions, both turns, 128 new tokens) on the 63-node tree, a chain
-# and tree=auto, HumanEval on the 63-node tree, and a report. Re-running resumes.
+# The one-hour CPU recipe (conf/experiment/smollm2_cpu_1h.yaml), 2 threads: self-distilled prep
+# of ShareGPT's first 4,800 records in two parts, merged (3,872 first turns + hidden-state
+# cache: ~90 min on 2 EPYC cores), Hydra++ training (53 min there), then MT-Bench (24 questions,
+# both turns, 128 new tokens) on the 63-node tree and a chain, tree=auto's speed on 8 questions,
+# HumanEval (24 prompts) on the 63-node tree, and a report. Re-running resumes.
 RECIPE ?= runs/cpu_1h
-EVAL_MT := eval.suite=mt_bench eval.num_prompts=8 eval.max_new_tokens=128
+REGEN := regenerate=true regen.max_turns=1 regen.max_new_tokens=128 regen.max_prompt_tokens=384 cache_hidden=true data.max_length=512
+EVAL_MT := eval.suite=mt_bench eval.max_new_tokens=128 eval.threads=2
 recipe-1h: setup
-	test -f $(RECIPE)/data/dataset_dict.json || OMP_NUM_THREADS=1 $(BIN)/hydra-heads prep data.max_conversations=2400 regenerate=true regen.max_turns=1 regen.max_new_tokens=128 regen.max_prompt_tokens=384 cache_hidden=true data.max_length=512 out=$(RECIPE)/data
-	OMP_NUM_THREADS=1 $(BIN)/hydra-heads train experiment=smollm2_cpu_1h data.prepared=$(RECIPE)/data out=$(RECIPE)/train resume=auto
-	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_tree63 $(EVAL_MT) tree=mc_sim_7b_63
-	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_chain $(EVAL_MT) tree=chain
-	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_auto $(EVAL_MT)
-	OMP_NUM_THREADS=1 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/humaneval_tree63 eval.suite=humaneval eval.num_prompts=8 eval.max_new_tokens=128 tree=mc_sim_7b_63 eval.compare_plain=false
+	test -f $(RECIPE)/data/dataset_dict.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads prep data.max_conversations=2400 $(REGEN) out=$(RECIPE)/data
+	test -f $(RECIPE)/data2/dataset_dict.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads prep data.skip_records=2400 data.max_conversations=2400 $(REGEN) out=$(RECIPE)/data2
+	test -f $(RECIPE)/data_both/dataset_dict.json || $(BIN)/hydra-heads prep 'from_prepared=[$(RECIPE)/data,$(RECIPE)/data2]' out=$(RECIPE)/data_both
+	OMP_NUM_THREADS=2 $(BIN)/hydra-heads train experiment=smollm2_cpu_1h data.prepared=$(RECIPE)/data_both out=$(RECIPE)/train resume=auto
+	OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_tree63 $(EVAL_MT) eval.num_prompts=24 tree=mc_sim_7b_63 eval.compare_plain=false
+	OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_chain $(EVAL_MT) eval.num_prompts=24 tree=chain eval.compare_plain=false
+	OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_auto $(EVAL_MT) eval.num_prompts=8 tree.budget=32
+	OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/humaneval_tree63 eval.suite=humaneval eval.num_prompts=24 eval.max_new_tokens=128 eval.threads=2 tree=mc_sim_7b_63 eval.compare_plain=false
 	$(BIN)/hydra-heads report runs=[$(RECIPE)/mt_bench_tree63,$(RECIPE)/mt_bench_chain,$(RECIPE)/mt_bench_auto,$(RECIPE)/humaneval_tree63] out=$(RECIPE)/report
 
 lint: setup
