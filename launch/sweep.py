@@ -55,25 +55,22 @@ def train_variants(cfg: SweepConfig) -> list[list[str]]:
     if spec.search is None:
         points = {tuple(p["train_overrides"]): p["train_overrides"] for p in plan_points(spec)}
         return list(points.values())
-    values = {
-        key: [
-            v if isinstance(v, str) else override_value(v)
-            for v in (
-                p.choices
-                if p.choices is not None
-                else [int(p.low), int(p.high)]
-                if p.integer
-                else [p.low, p.high]
-            )
-        ]
-        for key, p in spec.search.space.items()
-    }
+    values = {key: _space_values(p) for key, p in spec.search.space.items()}
     first = {k: f"{k}={vs[0]}" for k, vs in values.items()}
     return [
         [f"{key}={v}" if k2 == key else o for k2, o in first.items()]
         for key, vs in values.items()
         for v in vs
     ]
+
+
+def _space_values(p) -> list[str]:
+    """A search key's choices, or both ends of its range, written as search.suggest writes a
+    trial's value (so a value the check passes is the one the trial gets)."""
+    if p.choices is not None:
+        return [override_value(c) for c in p.choices]
+    ends = (int(p.low), int(p.high)) if p.integer else (p.low, p.high)
+    return [override_value(v) for v in ends]
 
 
 def check_points(cfg: SweepConfig) -> None:

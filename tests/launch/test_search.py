@@ -289,3 +289,14 @@ def test_search_workers_as_slurm_jobs(tiny_prepared, tmp_path):
     assert {t.user_attrs["worker"] for t in trials} <= {"slurm-0", "slurm-1"}
     log = " ".join(p.read_text() for p in (out / "logs").glob("*.log"))
     assert "$ srun --kill-on-bad-exit=1 " in log  # trials trained as job steps
+
+
+def test_the_sweep_check_writes_search_values_as_trials_get_them():
+    """sweep's config check composes each search value as search.suggest writes it."""
+    from launch.config import SearchParam
+    from launch.sweep import _space_values
+
+    assert _space_values(SearchParam(choices=["a b", 2, None])) == ["'a b'", "2", "null"]
+    ranged = SearchParam(low=200, high=1600, log=True, integer=True)
+    assert _space_values(ranged) == ["200", "1600"]
+    assert _space_values(SearchParam(low=3e-4, high=3e-3)) == ["0.0003", "0.003"]

@@ -119,10 +119,10 @@ def check_prepared_base(
         return
     made_for = stats.get("base")
     recorded = stats.get("tokenizer")
-    if recorded and recorded != tokenizer_fingerprint(tokenizer):
+    if recorded and recorded != (ours := tokenizer_fingerprint(tokenizer)):
         raise ConfigError(
             f"{where}={p} was tokenized for another base (base={made_for}, tokenizer {recorded}) "
-            f"than this one's tokenizer ({tokenizer_fingerprint(tokenizer)}): prepare it again "
+            f"than this one's tokenizer ({ours}): prepare it again "
             f"with this base (`hydra-heads prep ... base=...`), or use the base it was made for"
         )
     cached = stats.get("cached_hidden_size")
