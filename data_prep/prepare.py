@@ -595,11 +595,15 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     work = partial / f"spool-{os.getpid()}"
     sources = cfg.prepared_sources()
     keep_states = len(sources) > 1 and not cfg.cache_hidden
+    if sources:
+        from train.core.base import load_tokenizer, tokenizer_fingerprint
+
+        base_id = (cfg.base.name, tokenizer_fingerprint(load_tokenizer(cfg.base)))
     if len(sources) == 1:
-        dd, stats = _prepared_samples(sources[0], out, cfg.base.name)
+        dd, stats = _prepared_samples(sources[0], out, base_id)
         num_proc = None
     elif sources:
-        dd, stats = _merged_samples(sources, out, cfg.base.name, keep_states)
+        dd, stats = _merged_samples(sources, out, base_id, keep_states)
         num_proc = None
     else:
         dd, make_stats, num_proc = _samples(cfg, timing, t_start, partial, work)
@@ -699,9 +703,10 @@ def _regenerated(cfg: PrepConfig, rows, partial: Path, skips) -> list:
     return rows
 
 
-def _prepared_samples(src: Path, out: Path, base_name: str, keep_states: bool = False):
+def _prepared_samples(src: Path, out: Path, base_id: tuple[str, str], keep_states: bool = False):
     """from_prepared: another prepared dataset's samples without its cached states (with them:
-    `keep_states`), and its stats (what it was made from), noting where they came from."""
+    `keep_states`), and its stats (what it was made from), noting where they came from.
+    `base_id`: this prep's base name and tokenizer fingerprint, which the source's must match."""
     from datasets import DatasetDict, load_from_disk
 
     from data_prep.hidden import AUX
@@ -726,11 +731,19 @@ def _prepared_samples(src: Path, out: Path, base_name: str, keep_states: bool = 
             {k: ds.remove_columns([c for c in ("hidden", AUX) if c in ds.column_names])
              for k, ds in dd.items()}
         )  # fmt: skip
+    base_name, fingerprint = base_id
     if stats.get("base") != base_name:  # its tokens are another base's: caching would mix them
         raise PrepError(
             f"from_prepared={src} was prepared for base={stats.get('base')}, not {base_name}: "
             f"pass base={stats.get('base')} (the states must come from the model whose tokens "
             "these are)"
+        )
+    recorded = stats.get("tokenizer")  # older releases record none
+    if recorded and recorded != fingerprint:  # one name, another vocabulary (e.g. base.path)
+        raise PrepError(
+            f"from_prepared={src} was tokenized with another tokenizer (fingerprint {recorded}) "
+            f"than base={base_name}'s ({fingerprint}): its token ids mean other words here; "
+            "prepare it again with this base, or pass the base it was made with"
         )
     stats["from_prepared"] = str(src.resolve())
     return dd, stats
@@ -763,7 +776,7 @@ def _sample_digests(part) -> np.ndarray:
     return np.array(out, dtype="S16")
 
 
-def _merged_samples(srcs: list[Path], out: Path, base_name: str, keep_states: bool):
+def _merged_samples(srcs: list[Path], out: Path, base_id: tuple[str, str], keep_states: bool):
     """from_prepared=[A, B, ...]: the samples of several prepared datasets of one base, split by
     split in the order given, e.g. slices of one corpus prepared apart (data.skip_records). A
     sample whose tokens equal a sample of an earlier source (either split) is dropped and
@@ -771,7 +784,7 @@ def _merged_samples(srcs: list[Path], out: Path, base_name: str, keep_states: bo
     the sources' cached states are kept, which needs every source to hold the same ones."""
     from datasets import DatasetDict, concatenate_datasets
 
-    parts = [_prepared_samples(src, out, base_name, keep_states) for src in srcs]
+    parts = [_prepared_samples(src, out, base_id, keep_states) for src in srcs]
     if keep_states:
         held = [(bool(st.get("cached_hidden")), st.get("cached_aux_layers")) for _, st in parts]
         if len(set(map(str, held))) > 1:

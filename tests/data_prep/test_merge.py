@@ -120,3 +120,26 @@ def test_merge_drops_repeats_and_keeps_the_cached_states(tmp_path, capsys, monke
 def test_bad_merge_or_skip_settings_are_refused(overrides, match):
     with pytest.raises(UserError, match=match):
         prep_config(["out=x", *overrides])
+
+
+def test_a_dataset_of_another_tokenizer_is_refused_under_the_same_base_name(tmp_path):
+    """A base keeps its name when its files change (base.path): the tokenizer fingerprint that
+    prep records tells its token ids apart, for one source and for a merge."""
+    data = _corpus(tmp_path, 20)
+    a = _slice(tmp_path, "a", data, 0, 10)
+    b = _slice(tmp_path, "b", data, 10, 10)
+    stats_path = b / "prep_stats.json"
+    stats = json.loads(stats_path.read_text())
+    ours = stats["tokenizer"]
+    assert ours == json.loads((a / "prep_stats.json").read_text())["tokenizer"]
+    stats["tokenizer"] = "0123456789abcdef"  # as if tokenized by another vocabulary
+    stats_path.write_text(json.dumps(stats))
+    with pytest.raises(PrepError, match=f"another tokenizer.*0123456789abcdef.*{ours}"):
+        _prep(tmp_path, "merged", f"from_prepared=[{a},{b}]")
+    with pytest.raises(PrepError, match="another tokenizer"):
+        _prep(tmp_path, "recached", f"from_prepared={b}", "cache_hidden=true")
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "recached").exists()
+    del stats["tokenizer"]  # an older release's output: the base name decides, as before
+    stats_path.write_text(json.dumps(stats))
+    merged = _prep(tmp_path, "merged", f"from_prepared=[{a},{b}]")
+    assert json.loads((merged / "prep_stats.json").read_text())["tokenizer"] == ours
