@@ -43,7 +43,7 @@ demo: setup
 	@# with the best expected speedup on this machine, trees of up to 4 nodes timed (the demo
 	@# heads' tau gains too little past them: it has picked 1-3 nodes on both kinds of CPU, and
 	@# each larger candidate adds ~8 s of timing)
-	$(BIN)/hydra-heads eval heads=$(DEMO)/train/heads out=$(DEMO)/eval eval.suite=mt_bench eval.num_prompts=8 eval.max_new_tokens=48 tree.calibration_rows=16 tree.budget=4
+	$(BIN)/hydra-heads eval heads=$(DEMO)/train/heads out=$(DEMO)/eval overwrite=true eval.suite=mt_bench eval.num_prompts=8 eval.max_new_tokens=48 tree.calibration_rows=16 tree.budget=4
 	$(BIN)/hydra-heads report runs=[$(DEMO)] out=$(DEMO)/report
 
 # The paper's comparison (conf/sweep/architectures.yaml): Medusa vs Hydra vs Hydra++ at equal
@@ -57,7 +57,8 @@ sweep-demo: setup
 # of ShareGPT's first 4,800 records in two parts, merged (3,872 first turns + hidden-state
 # cache: ~90 min on 2 EPYC cores), Hydra++ training (53 min there), then MT-Bench (24 questions,
 # both turns, 128 new tokens) on the 63-node tree and a chain, tree=auto's speed on 8 questions,
-# HumanEval (24 prompts) on the 63-node tree, and a report. Re-running resumes.
+# HumanEval (24 prompts) on the 63-node tree, and a report. Re-running resumes: a step whose
+# output exists is skipped (delete an eval's dir to run it again).
 RECIPE ?= runs/cpu_1h
 REGEN := regenerate=true regen.max_turns=1 regen.max_new_tokens=128 regen.max_prompt_tokens=384 cache_hidden=true data.max_length=512
 EVAL_MT := eval.suite=mt_bench eval.max_new_tokens=128 eval.threads=2
@@ -66,10 +67,10 @@ recipe-1h: setup
 	test -f $(RECIPE)/data2/dataset_dict.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads prep data.skip_records=2400 data.max_conversations=2400 $(REGEN) out=$(RECIPE)/data2
 	test -f $(RECIPE)/data_both/dataset_dict.json || $(BIN)/hydra-heads prep 'from_prepared=[$(RECIPE)/data,$(RECIPE)/data2]' out=$(RECIPE)/data_both
 	OMP_NUM_THREADS=2 $(BIN)/hydra-heads train experiment=smollm2_cpu_1h data.prepared=$(RECIPE)/data_both out=$(RECIPE)/train resume=auto
-	OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_tree63 $(EVAL_MT) eval.num_prompts=24 tree=mc_sim_7b_63 eval.compare_plain=false
-	OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_chain $(EVAL_MT) eval.num_prompts=24 tree=chain eval.compare_plain=false
-	OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_auto $(EVAL_MT) eval.num_prompts=8 tree.budget=32
-	OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/humaneval_tree63 eval.suite=humaneval eval.num_prompts=24 eval.max_new_tokens=128 eval.threads=2 tree=mc_sim_7b_63 eval.compare_plain=false
+	test -f $(RECIPE)/mt_bench_tree63/eval.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_tree63 $(EVAL_MT) eval.num_prompts=24 tree=mc_sim_7b_63 eval.compare_plain=false
+	test -f $(RECIPE)/mt_bench_chain/eval.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_chain $(EVAL_MT) eval.num_prompts=24 tree=chain eval.compare_plain=false
+	test -f $(RECIPE)/mt_bench_auto/eval.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_auto $(EVAL_MT) eval.num_prompts=8 tree.budget=32
+	test -f $(RECIPE)/humaneval_tree63/eval.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/humaneval_tree63 eval.suite=humaneval eval.num_prompts=24 eval.max_new_tokens=128 eval.threads=2 tree=mc_sim_7b_63 eval.compare_plain=false
 	$(BIN)/hydra-heads report runs=[$(RECIPE)/mt_bench_tree63,$(RECIPE)/mt_bench_chain,$(RECIPE)/mt_bench_auto,$(RECIPE)/humaneval_tree63] out=$(RECIPE)/report
 
 lint: setup

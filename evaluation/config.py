@@ -200,6 +200,7 @@ class EvalConfig(ConfigModel):
     base: BaseConfig | None  # default: the base recorded in the heads' config
     # auto: the CLI logs the figures into the wandb run that trained the heads, if there is one
     wandb: bool | Literal["auto"]
+    overwrite: bool  # replace an eval.json already in out (else refused before any decoding)
 
 
 # -- report -----------------------------------------------------------------------------------

@@ -386,6 +386,11 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
     if ev.threads:
         torch.set_num_threads(ev.threads)
     out = Path(cfg.out)
+    if (out / "eval.json").exists() and not cfg.overwrite:  # an hour of decoding, kept
+        raise ConfigError(
+            f"out={out} already holds an eval ({out / 'eval.json'}): set overwrite=true to "
+            "replace it, or pick another out"
+        )
     out.mkdir(parents=True, exist_ok=True)
     t_setup = time.perf_counter()
     base, decoder, tree, meta = setup(cfg)

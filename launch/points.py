@@ -27,7 +27,8 @@ def train_command(cfg: SweepConfig, out: Path, tname: str, overrides: list[str])
 def eval_command(cfg: SweepConfig, out: Path, point: dict) -> list[str]:
     heads = out / "points" / point["train_point"] / "train" / "heads"
     args = [*cfg.sweep.eval, *point["eval_overrides"], *cfg.eval_args, *cfg.job_eval_args]
-    return cli("eval", *args, f"heads={heads}", f"out={out / point['dir']}")
+    # overwrite: the sweep owns the point's dir (a point killed after its eval.json is run again)
+    return cli("eval", *args, f"heads={heads}", f"out={out / point['dir']}", "overwrite=true")
 
 
 def _run_logged(cmd: list[str], logfile: Path, env: dict[str, str] | None = None) -> int:

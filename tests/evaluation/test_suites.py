@@ -142,6 +142,25 @@ def test_eval_where_no_prompt_fits_fails_and_writes_no_result(tiny_heads, tmp_pa
     assert not (out / "eval.json").exists()
 
 
+def test_eval_into_an_earlier_eval_is_refused_unless_overwrite(tiny_heads, tmp_path):
+    """An eval.json can hold an hour of decoding: a second eval into its out= is refused before
+    anything loads, and the result is kept; overwrite=true replaces it."""
+    out = tmp_path / "eval"
+    args = ("eval.suite=mt_bench", "eval.num_prompts=1", "eval.max_new_tokens=2",
+            "eval.max_prompt_tokens=2000", "tree=chain")  # fmt: skip
+    first = run_here("eval", f"heads={tiny_heads}", f"out={out}", *args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = (out / "eval.json").read_bytes()
+    again = run_here("eval", f"heads={tiny_heads}", f"out={out}", *args, "eval.max_new_tokens=3")
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert f"out={out} already holds an eval" in again.stderr and "overwrite=true" in again.stderr
+    assert (out / "eval.json").read_bytes() == kept
+    new = run_here("eval", f"heads={tiny_heads}", f"out={out}", *args, "eval.max_new_tokens=3",
+                   "overwrite=true")  # fmt: skip
+    assert new.returncode == 0, new.stderr[-3000:]
+    assert json.loads((out / "eval.json").read_text())["max_new_tokens"] == 3
+
+
 def test_eval_mt_bench_writes_figures_per_category(tiny_heads, tmp_path):
     out = tmp_path / "eval"
     r = run_here(
