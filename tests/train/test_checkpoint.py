@@ -60,6 +60,38 @@ def test_loading_onto_another_base_names_both_shapes(tmp_path, tiny_base):
     assert "hidden_size=64, vocab_size=259" in msg and "hidden_size=576, vocab_size=49152" in msg
 
 
+@pytest.mark.parametrize(
+    "to_full, match",
+    [
+        ([*range(14), 259, 300], r"2 token ids outside the base's vocab of 259 \(e.g. \[259, 300"),
+        ([5] + list(range(1, 16)), "lists a token id twice"),
+        ([-1] + list(range(1, 16)), "outside the base's vocab"),
+    ],
+)  # fmt: skip
+def test_a_draft_vocab_map_outside_the_base_vocab_is_a_clear_error(
+    tmp_path, tiny_base, to_full, match
+):
+    """A heads file whose draft vocab map does not fit the base (damaged, or made for another
+    vocab) is refused by name, not an IndexError from inside the lookup table."""
+    from safetensors.torch import load_file, save_file
+
+    from train.core.checkpoint import CheckpointError
+
+    heads = build_heads(
+        head_config("medusa", num_heads=2, draft_vocab_size=16),
+        base_shape(tiny_base.config),
+        tiny_base.lm_head.weight,
+        torch.arange(16),
+    )
+    save_heads(tmp_path / "h", heads, heads_meta(heads, tiny_base.fingerprint(), tiny_base.cfg))
+    weights = tmp_path / "h" / "heads.safetensors"
+    state = load_file(weights)
+    state["draft.to_full"] = torch.tensor(to_full)
+    save_file(state, weights)
+    with pytest.raises(CheckpointError, match=f"heads.safetensors.*{match}"):
+        load_heads(tmp_path / "h", tiny_base.fingerprint())
+
+
 def test_missing_checkpoint_files_are_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="is not a heads checkpoint"):
         load_heads(tmp_path)

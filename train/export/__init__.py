@@ -97,7 +97,10 @@ def import_heads(
     check_base({**size, "base": {"name": parsed.base_id}}, fingerprint, f"in {src}")
     shape = {**(parsed.base_shape or base_shape(b.config)), **size}
     placeholder = torch.empty(parsed.vocab_size, parsed.hidden_size)
-    heads = build_heads(parsed.head, shape, placeholder, parsed.state.get("draft.to_full"))
+    try:
+        heads = build_heads(parsed.head, shape, placeholder, parsed.state.get("draft.to_full"))
+    except ValueError as e:  # e.g. a d2t map outside the vocab it records
+        raise FormatError(f"{src}: {e}") from None
     try:
         heads.load_unique_state(parsed.state)
     except RuntimeError as e:

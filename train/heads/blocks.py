@@ -70,6 +70,23 @@ class DraftVocab(nn.Module):
     def __init__(self, token_ids: torch.Tensor, full_vocab_size: int):
         super().__init__()
         token_ids = token_ids.long()
+        if token_ids.dim() != 1 or token_ids.numel() == 0:
+            raise ValueError(
+                f"the draft vocab map (draft.to_full) has shape {tuple(token_ids.shape)}, not "
+                "one token id per draft token"
+            )
+        outside = token_ids[(token_ids < 0) | (token_ids >= full_vocab_size)]
+        if outside.numel():  # e.g. heads made for a base with a larger vocab
+            raise ValueError(
+                f"the draft vocab maps to {outside.numel()} token ids outside the base's vocab "
+                f"of {full_vocab_size} (e.g. {outside[:3].tolist()}): it was made for another "
+                "base"
+            )
+        if torch.unique(token_ids).numel() != token_ids.numel():
+            raise ValueError(
+                "the draft vocab map (draft.to_full) lists a token id twice: each draft token "
+                "must stand for another base token"
+            )
         to_draft = torch.full((full_vocab_size,), -1, dtype=torch.long)
         to_draft[token_ids] = torch.arange(len(token_ids))
         self.register_buffer("to_full", token_ids, persistent=True)

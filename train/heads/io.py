@@ -95,7 +95,12 @@ def build_from(
         )
     shape = {**meta_shape, "hidden_size": hidden_size, "vocab_size": vocab_size}
     placeholder = torch.empty(vocab_size, hidden_size)
-    heads = build_heads(cfg, shape, placeholder, state.get("draft.to_full"))
+    try:
+        heads = build_heads(cfg, shape, placeholder, state.get("draft.to_full"))
+    except ValueError as e:  # a draft vocab map that does not fit this base's vocab
+        raise CheckpointError(
+            f"{where}: {e}; re-export or retrain the heads for this base"
+        ) from None
     try:
         heads.load_unique_state(state)
     except RuntimeError as e:  # load_state_dict: missing, unexpected or misshapen tensors
