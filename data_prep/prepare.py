@@ -605,6 +605,8 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     elif sources:
         dd, stats = _merged_samples(sources, out, base_id, keep_states)
         num_proc = None
+    if sources:  # each source records this fingerprint, or (older) none under this base's name
+        stats["tokenizer"] = base_id[1]
     else:
         dd, make_stats, num_proc = _samples(cfg, timing, t_start, partial, work)
     aux = tuple(cfg.cache_aux_layers) if cfg.cache_aux_layers else None

@@ -141,5 +141,5 @@ def test_a_dataset_of_another_tokenizer_is_refused_under_the_same_base_name(tmp_
     assert not (tmp_path / "merged").exists() and not (tmp_path / "recached").exists()
     del stats["tokenizer"]  # an older release's output: the base name decides, as before
     stats_path.write_text(json.dumps(stats))
-    merged = _prep(tmp_path, "merged", f"from_prepared=[{a},{b}]")
+    merged = _prep(tmp_path, "merged", f"from_prepared=[{b},{a}]")  # the first records none
     assert json.loads((merged / "prep_stats.json").read_text())["tokenizer"] == ours
