@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.resources
 import itertools
@@ -14,7 +15,7 @@ import tempfile
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -598,15 +599,18 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
     if sources:
         from train.core.base import load_tokenizer, tokenizer_fingerprint
 
-        base_id = (cfg.base.name, tokenizer_fingerprint(load_tokenizer(cfg.base)))
-    if len(sources) == 1:
-        dd, stats = _prepared_samples(sources[0], out, base_id)
+        # loaded once a source's stats and base name have passed (a typo fails first)
+        base_id = (
+            cfg.base.name,
+            functools.cache(lambda: tokenizer_fingerprint(load_tokenizer(cfg.base))),
+        )
+        if len(sources) == 1:
+            dd, stats = _prepared_samples(sources[0], out, base_id)
+        else:
+            dd, stats = _merged_samples(sources, out, base_id, keep_states)
         num_proc = None
-    elif sources:
-        dd, stats = _merged_samples(sources, out, base_id, keep_states)
-        num_proc = None
-    if sources:  # each source records this fingerprint, or (older) none under this base's name
-        stats["tokenizer"] = base_id[1]
+        # each source records this fingerprint, or (an older release) none under this base name
+        stats["tokenizer"] = base_id[1]()
     else:
         dd, make_stats, num_proc = _samples(cfg, timing, t_start, partial, work)
     aux = tuple(cfg.cache_aux_layers) if cfg.cache_aux_layers else None
@@ -708,7 +712,8 @@ def _regenerated(cfg: PrepConfig, rows, partial: Path, skips) -> list:
 def _prepared_samples(src: Path, out: Path, base_id: tuple[str, str], keep_states: bool = False):
     """from_prepared: another prepared dataset's samples without its cached states (with them:
     `keep_states`), and its stats (what it was made from), noting where they came from.
-    `base_id`: this prep's base name and tokenizer fingerprint, which the source's must match."""
+    `base_id`: this prep's base name and (a function giving) its tokenizer fingerprint, which
+    the source's must match."""
     from datasets import DatasetDict, load_from_disk
 
     from data_prep.hidden import AUX
@@ -733,7 +738,7 @@ def _prepared_samples(src: Path, out: Path, base_id: tuple[str, str], keep_state
             {k: ds.remove_columns([c for c in ("hidden", AUX) if c in ds.column_names])
              for k, ds in dd.items()}
         )  # fmt: skip
-    base_name, fingerprint = base_id
+    base_name, fingerprint_of_base = base_id
     if stats.get("base") != base_name:  # its tokens are another base's: caching would mix them
         raise PrepError(
             f"from_prepared={src} was prepared for base={stats.get('base')}, not {base_name}: "
@@ -741,7 +746,9 @@ def _prepared_samples(src: Path, out: Path, base_id: tuple[str, str], keep_state
             "these are)"
         )
     recorded = stats.get("tokenizer")  # older releases record none
-    if recorded and recorded != fingerprint:  # one name, another vocabulary (e.g. base.path)
+    if recorded and recorded != (
+        fingerprint := fingerprint_of_base()
+    ):  # one name, another vocabulary (e.g. base.path)
         raise PrepError(
             f"from_prepared={src} was tokenized with another tokenizer (fingerprint {recorded}) "
             f"than base={base_name}'s ({fingerprint}): its token ids mean other words here; "
@@ -778,7 +785,9 @@ def _sample_digests(part) -> np.ndarray:
     return np.array(out, dtype="S16")
 
 
-def _merged_samples(srcs: list[Path], out: Path, base_id: tuple[str, str], keep_states: bool):
+def _merged_samples(
+    srcs: list[Path], out: Path, base_id: tuple[str, Callable[[], str]], keep_states: bool
+):
     """from_prepared=[A, B, ...]: the samples of several prepared datasets of one base, split by
     split in the order given, e.g. slices of one corpus prepared apart (data.skip_records). A
     sample whose tokens equal a sample of an earlier source (either split) is dropped and

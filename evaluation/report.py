@@ -34,8 +34,9 @@ PLOTS = {
     f"mean of the last {TRAIN_WINDOW} steps) against validation (dashed, dots), beside val/tau",
     "accepted_histogram": "Accepted draft tokens per step",
 }
-# Keys that differ between any two runs by construction: not worth a row in the config diff.
-DIFF_IGNORE = ("out", "heads", "eval.out", "eval.heads")
+# Keys that differ between any two runs by construction, or say nothing of what was measured
+# (overwrite: whether an earlier result was replaced): not worth a row in the config diff.
+DIFF_IGNORE = ("out", "heads", "eval.out", "eval.heads", "overwrite", "eval.overwrite")
 
 
 class ReportError(UserError, ValueError):

@@ -90,6 +90,7 @@ def test_sweep_refuses_a_changed_grid_and_bad_keys(tiny_prepared, tmp_path):
     r = run_here("sweep", *sweep_args(out, tiny_prepared), "dry_run=true")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "head-medusa [pending]" in r.stdout and "resume=auto" in r.stdout
+    assert "overwrite=true" in r.stdout  # a point's eval is re-run into its own dir
     assert not out.exists()  # a dry run writes nothing, so a corrected grid is still welcome
     # a sweep that started (its sweep.json written) refuses another grid, naming what changed
     from launch.config import SweepConfig

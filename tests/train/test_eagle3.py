@@ -329,6 +329,16 @@ def test_exports_load_into_the_engines_layouts_with_the_same_logits(tmp_path, ti
     back, meta = load_heads(tmp_path / "back", tiny_base.fingerprint())
     assert back.arch == "eagle3" and meta["imported"]["format"] == layout
     _assert_same_heads(back, heads)
+    # a damaged d2t (a draft token past the vocab) is refused naming the file, not an IndexError
+    from safetensors.torch import save_file
+
+    from train.export import FormatError
+
+    state["d2t"][-1] = tiny_base.vocab_size
+    save_file(state, str(tmp_path / "x" / "model.safetensors"))
+    with pytest.raises(FormatError, match=f"{tmp_path / 'x'}: the draft vocab maps to 1 token id"):
+        import_heads(tmp_path / "x", layout, tiny, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
 
 
 def _assert_same_heads(back, want) -> None:

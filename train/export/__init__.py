@@ -24,6 +24,7 @@ from train.core.errors import NotFound
 from train.export import eagle3, hf, hydra, medusa, model_card
 from train.export.common import FormatError, check_out, write_dir
 from train.heads import base_shape, build_heads, heads_meta, load_heads, save_heads
+from train.heads.blocks import DraftVocabError
 
 Format = Literal["hf", "hydra", "medusa", "eagle3", "speculators"]
 FORMATS = "hf, hydra, medusa, eagle3, speculators"
@@ -99,7 +100,7 @@ def import_heads(
     placeholder = torch.empty(parsed.vocab_size, parsed.hidden_size)
     try:
         heads = build_heads(parsed.head, shape, placeholder, parsed.state.get("draft.to_full"))
-    except ValueError as e:  # e.g. a d2t map outside the vocab it records
+    except DraftVocabError as e:  # e.g. a d2t map outside the vocab it records
         raise FormatError(f"{src}: {e}") from None
     try:
         heads.load_unique_state(parsed.state)

@@ -64,6 +64,10 @@ def official_noise(x: torch.Tensor, alpha: float, lengths: torch.Tensor | None) 
     return (torch.rand_like(x) * 2 - 1) * scale.to(x.dtype)[:, None, None]
 
 
+class DraftVocabError(ValueError):
+    """A draft vocab map (draft.to_full) that cannot stand for tokens of the vocab given."""
+
+
 class DraftVocab(nn.Module):
     """Maps between the full vocab and a head's draft vocab (the N most frequent tokens)."""
 
@@ -71,19 +75,20 @@ class DraftVocab(nn.Module):
         super().__init__()
         token_ids = token_ids.long()
         if token_ids.dim() != 1 or token_ids.numel() == 0:
-            raise ValueError(
+            raise DraftVocabError(
                 f"the draft vocab map (draft.to_full) has shape {tuple(token_ids.shape)}, not "
                 "one token id per draft token"
             )
         outside = token_ids[(token_ids < 0) | (token_ids >= full_vocab_size)]
         if outside.numel():  # e.g. heads made for a base with a larger vocab
-            raise ValueError(
-                f"the draft vocab maps to {outside.numel()} token ids outside the base's vocab "
-                f"of {full_vocab_size} (e.g. {outside[:3].tolist()}): it was made for another "
-                "base"
+            raise DraftVocabError(
+                f"the draft vocab maps to {outside.numel()} token "
+                f"id{'s' if outside.numel() > 1 else ''} outside the vocab of "
+                f"{full_vocab_size} (e.g. {outside[:3].tolist()}): a damaged map, or one made "
+                "for another vocab"
             )
         if torch.unique(token_ids).numel() != token_ids.numel():
-            raise ValueError(
+            raise DraftVocabError(
                 "the draft vocab map (draft.to_full) lists a token id twice: each draft token "
                 "must stand for another base token"
             )

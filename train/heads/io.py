@@ -21,6 +21,7 @@ from train.core.checkpoint import (
 )
 from train.core.config import validate
 from train.core.errors import ConfigError
+from train.heads.blocks import DraftVocabError
 from train.heads.config import HeadConfig
 from train.heads.headset import HeadSet
 from train.heads.registry import build_heads
@@ -97,7 +98,7 @@ def build_from(
     placeholder = torch.empty(vocab_size, hidden_size)
     try:
         heads = build_heads(cfg, shape, placeholder, state.get("draft.to_full"))
-    except ValueError as e:  # a draft vocab map that does not fit this base's vocab
+    except DraftVocabError as e:  # a draft vocab map that does not fit the vocab
         raise CheckpointError(
             f"{where}: {e}; re-export or retrain the heads for this base"
         ) from None
