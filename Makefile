@@ -62,15 +62,18 @@ sweep-demo: setup
 RECIPE ?= runs/cpu_1h
 REGEN := regenerate=true regen.max_turns=1 regen.max_new_tokens=128 regen.max_prompt_tokens=384 cache_hidden=true data.max_length=512
 EVAL_MT := eval.suite=mt_bench eval.max_new_tokens=128 eval.threads=2
+# an eval already written is kept, unless it failed its lossless check (eval.json is written
+# before that error, to show the mismatches)
+KEPT = { test -f $(1)/eval.json && ! grep -q '"lossless": false' $(1)/eval.json; }
 recipe-1h: setup
 	test -f $(RECIPE)/data/dataset_dict.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads prep data.max_conversations=2400 $(REGEN) out=$(RECIPE)/data
 	test -f $(RECIPE)/data2/dataset_dict.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads prep data.skip_records=2400 data.max_conversations=2400 $(REGEN) out=$(RECIPE)/data2
 	test -f $(RECIPE)/data_both/dataset_dict.json || $(BIN)/hydra-heads prep 'from_prepared=[$(RECIPE)/data,$(RECIPE)/data2]' out=$(RECIPE)/data_both
 	OMP_NUM_THREADS=2 $(BIN)/hydra-heads train experiment=smollm2_cpu_1h data.prepared=$(RECIPE)/data_both out=$(RECIPE)/train resume=auto
-	test -f $(RECIPE)/mt_bench_tree63/eval.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_tree63 $(EVAL_MT) eval.num_prompts=24 tree=mc_sim_7b_63 eval.compare_plain=false
-	test -f $(RECIPE)/mt_bench_chain/eval.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_chain $(EVAL_MT) eval.num_prompts=24 tree=chain eval.compare_plain=false
-	test -f $(RECIPE)/mt_bench_auto/eval.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_auto $(EVAL_MT) eval.num_prompts=8 tree.budget=32
-	test -f $(RECIPE)/humaneval_tree63/eval.json || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/humaneval_tree63 eval.suite=humaneval eval.num_prompts=24 eval.max_new_tokens=128 eval.threads=2 tree=mc_sim_7b_63 eval.compare_plain=false
+	$(call KEPT,$(RECIPE)/mt_bench_tree63) || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_tree63 overwrite=true $(EVAL_MT) eval.num_prompts=24 tree=mc_sim_7b_63 eval.compare_plain=false
+	$(call KEPT,$(RECIPE)/mt_bench_chain) || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_chain overwrite=true $(EVAL_MT) eval.num_prompts=24 tree=chain eval.compare_plain=false
+	$(call KEPT,$(RECIPE)/mt_bench_auto) || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_auto overwrite=true $(EVAL_MT) eval.num_prompts=8 tree.budget=32
+	$(call KEPT,$(RECIPE)/humaneval_tree63) || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/humaneval_tree63 overwrite=true eval.suite=humaneval eval.num_prompts=24 eval.max_new_tokens=128 eval.threads=2 tree=mc_sim_7b_63 eval.compare_plain=false
 	$(BIN)/hydra-heads report runs=[$(RECIPE)/mt_bench_tree63,$(RECIPE)/mt_bench_chain,$(RECIPE)/mt_bench_auto,$(RECIPE)/humaneval_tree63] out=$(RECIPE)/report
 
 lint: setup
