@@ -386,7 +386,7 @@ def run_eval(cfg: EvalConfig, config_yaml: str | None = None) -> dict[str, Any]:
     if ev.threads:
         torch.set_num_threads(ev.threads)
     out = Path(cfg.out)
-    if (out / "eval.json").exists() and not cfg.overwrite:  # an hour of decoding, kept
+    if (out / "eval.json").exists() and not cfg.overwrite:  # minutes to hours of decoding
         raise ConfigError(
             f"out={out} already holds an eval ({out / 'eval.json'}): set overwrite=true to "
             "replace it, or pick another out"

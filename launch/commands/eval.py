@@ -72,7 +72,10 @@ def print_summary(res: dict[str, Any], out: str) -> None:
     if res.get("tau_ci95"):
         items = res["intervals"]["items"]
         Console().print(f"[a, b]: 95% interval, bootstrap over the {items} items")
-    Console().print(f"wrote {out}/eval.json and {out}/tree.json")
+    from pathlib import Path
+
+    tree = f" and {out}/tree.json" if (Path(out) / "tree.json").is_file() else ""  # a static tree
+    Console().print(f"wrote {out}/eval.json{tree}")
 
 
 def run(cfg) -> dict[str, Any]:
