@@ -600,17 +600,14 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
         from train.core.base import load_tokenizer, tokenizer_fingerprint
 
         # loaded once a source's stats and base name have passed (a typo fails first)
-        base_id = (
-            cfg.base.name,
-            functools.cache(lambda: tokenizer_fingerprint(load_tokenizer(cfg.base))),
-        )
+        fingerprint = functools.cache(lambda: tokenizer_fingerprint(load_tokenizer(cfg.base)))
         if len(sources) == 1:
-            dd, stats = _prepared_samples(sources[0], out, base_id)
+            dd, stats = _prepared_samples(sources[0], out, cfg.base.name, fingerprint)
         else:
-            dd, stats = _merged_samples(sources, out, base_id, keep_states)
+            dd, stats = _merged_samples(sources, out, cfg.base.name, fingerprint, keep_states)
         num_proc = None
         # each source records this fingerprint, or (an older release) none under this base name
-        stats["tokenizer"] = base_id[1]()
+        stats["tokenizer"] = fingerprint()
     else:
         dd, make_stats, num_proc = _samples(cfg, timing, t_start, partial, work)
     aux = tuple(cfg.cache_aux_layers) if cfg.cache_aux_layers else None
@@ -709,11 +706,16 @@ def _regenerated(cfg: PrepConfig, rows, partial: Path, skips) -> list:
     return rows
 
 
-def _prepared_samples(src: Path, out: Path, base_id: tuple[str, str], keep_states: bool = False):
+def _prepared_samples(
+    src: Path,
+    out: Path,
+    base_name: str,
+    fingerprint: Callable[[], str],
+    keep_states: bool = False,
+):
     """from_prepared: another prepared dataset's samples without its cached states (with them:
-    `keep_states`), and its stats (what it was made from), noting where they came from.
-    `base_id`: this prep's base name and (a function giving) its tokenizer fingerprint, which
-    the source's must match."""
+    `keep_states`), and its stats (what it was made from), noting where they came from. The
+    source must record `base_name` and, where it records one, the tokenizer `fingerprint()`."""
     from datasets import DatasetDict, load_from_disk
 
     from data_prep.hidden import AUX
@@ -738,7 +740,6 @@ def _prepared_samples(src: Path, out: Path, base_id: tuple[str, str], keep_state
             {k: ds.remove_columns([c for c in ("hidden", AUX) if c in ds.column_names])
              for k, ds in dd.items()}
         )  # fmt: skip
-    base_name, fingerprint_of_base = base_id
     if stats.get("base") != base_name:  # its tokens are another base's: caching would mix them
         raise PrepError(
             f"from_prepared={src} was prepared for base={stats.get('base')}, not {base_name}: "
@@ -746,12 +747,10 @@ def _prepared_samples(src: Path, out: Path, base_id: tuple[str, str], keep_state
             "these are)"
         )
     recorded = stats.get("tokenizer")  # older releases record none
-    if recorded and recorded != (
-        fingerprint := fingerprint_of_base()
-    ):  # one name, another vocabulary (e.g. base.path)
+    if recorded and recorded != fingerprint():  # one name, another vocabulary (base.path)
         raise PrepError(
             f"from_prepared={src} was tokenized with another tokenizer (fingerprint {recorded}) "
-            f"than base={base_name}'s ({fingerprint}): its token ids mean other words here; "
+            f"than base={base_name}'s ({fingerprint()}): its token ids mean other words here; "
             "prepare it again with this base, or pass the base it was made with"
         )
     stats["from_prepared"] = str(src.resolve())
@@ -786,7 +785,11 @@ def _sample_digests(part) -> np.ndarray:
 
 
 def _merged_samples(
-    srcs: list[Path], out: Path, base_id: tuple[str, Callable[[], str]], keep_states: bool
+    srcs: list[Path],
+    out: Path,
+    base_name: str,
+    fingerprint: Callable[[], str],
+    keep_states: bool,
 ):
     """from_prepared=[A, B, ...]: the samples of several prepared datasets of one base, split by
     split in the order given, e.g. slices of one corpus prepared apart (data.skip_records). A
@@ -795,7 +798,7 @@ def _merged_samples(
     the sources' cached states are kept, which needs every source to hold the same ones."""
     from datasets import DatasetDict, concatenate_datasets
 
-    parts = [_prepared_samples(src, out, base_id, keep_states) for src in srcs]
+    parts = [_prepared_samples(src, out, base_name, fingerprint, keep_states) for src in srcs]
     if keep_states:
         held = [(bool(st.get("cached_hidden")), st.get("cached_aux_layers")) for _, st in parts]
         if len(set(map(str, held))) > 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from train.decoding.generation import STEP_PARTS
@@ -72,8 +73,6 @@ def print_summary(res: dict[str, Any], out: str) -> None:
     if res.get("tau_ci95"):
         items = res["intervals"]["items"]
         Console().print(f"[a, b]: 95% interval, bootstrap over the {items} items")
-    from pathlib import Path
-
     tree = f" and {out}/tree.json" if (Path(out) / "tree.json").is_file() else ""  # a static tree
     Console().print(f"wrote {out}/eval.json{tree}")
 
