@@ -22,6 +22,8 @@ The rules, one test each:
    imported project module).
 5. Importing every module of train.decoding or evaluation loads none of hydra-core, omegaconf,
    lightning, deepspeed or wandb (and train/heads/ never loads lightning).
+6. hydra-core is imported only where the layer table allows it: in layer 0 only inside
+   `train.core.config.compose`, in the peers only by `train.recipe`, and anywhere in the CLI.
 
 Benchmarks: a benchmark measures one of the peers and so needs its code (bench_train.py times
 the Lightning step of `train`, bench_prep.py the `data_prep` pipeline, bench_decode.py the
@@ -335,6 +337,45 @@ def private_imports(path: Path, name: str, known: Collection[str]) -> list[str]:
     return bad
 
 
+# -- hydra-core ---------------------------------------------------------------------------------
+
+# Where hydra-core may be imported: module -> the one function it may be imported in (None:
+# anywhere in the module); every module of the CLI's component may import it anywhere.
+HYDRA_ALLOWED = {"train.core.config": "compose", "train.recipe": None}
+
+
+def scoped_imports(path: Path) -> Iterator[tuple[str, str | None, int]]:
+    """(absolute module imported, the outermost function it is imported in or None, line)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+
+    def walk(node: ast.AST, scope: str | None) -> Iterator[tuple[str, str | None, int]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                yield from ((a.name, scope, child.lineno) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                yield child.module, scope, child.lineno
+            inner = scope
+            if scope is None and isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                inner = child.name
+            yield from walk(child, inner)
+
+    yield from walk(tree, None)
+
+
+def hydra_imports(path: Path, name: str, known: Collection[str]) -> list[str]:
+    """Rule 6: imports of hydra-core outside the places the layer table allows."""
+    if component(name) in (CLI, *SCRIPTS):
+        return []
+    return [
+        f"{name}:{line} imports {module}"
+        + (f" inside {scope}()" if scope else " at module level")
+        + ", where the layers allow no hydra-core"
+        for module, scope, line in scoped_imports(path)
+        if module.split(".")[0] == "hydra"
+        and not (name in HYDRA_ALLOWED and HYDRA_ALLOWED[name] in (None, scope))
+    ]
+
+
 # -- the tests ------------------------------------------------------------------------------------
 
 
@@ -365,6 +406,11 @@ def test_no_module_imports_a_private_name():
 
 def test_nothing_imports_a_script():
     bad = violations(script_imports)
+    assert not bad, "\n".join(bad)
+
+
+def test_hydra_core_only_where_the_layers_allow():
+    bad = violations(hydra_imports)
     assert not bad, "\n".join(bad)
 
 
@@ -460,6 +506,22 @@ def test_the_checks_catch_violations(tmp_path):
         "train.probe:10 uses train.core.errors._y, a private name",
         "train.probe:10 uses train.core.atomic._z, a private name",
     ]
+
+    # hydra-core: inside compose() only in layer 0, in train.recipe anywhere, in the CLI anywhere
+    f.write_text(
+        "import hydra\n\ndef compose():\n    from hydra import compose\n\n"
+        "def load():\n    def inner():\n        from hydra.utils import instantiate\n"
+    )
+    assert hydra_imports(f, "train.core.config", known) == [
+        "train.core.config:1 imports hydra at module level, where the layers allow no hydra-core",
+        "train.core.config:8 imports hydra.utils inside load(), where the layers allow no "
+        "hydra-core",
+    ]
+    assert len(hydra_imports(f, "train.core.base", known)) == 3  # not even inside compose()
+    assert len(hydra_imports(f, "evaluation.probe", known)) == 3
+    assert hydra_imports(f, "train.recipe", known) == []
+    assert hydra_imports(f, "launch.probe", known) == []
+    assert hydra_imports(f, "data_prep.__main__", known) == []
 
     # a two-module cycle, one side through `from pkg import module`, the other in a function
     pkg = tmp_path / "pkg"
