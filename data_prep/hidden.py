@@ -4,8 +4,11 @@ The work is cut into chunks of whole batches (samples sorted by length, so a bat
 little compute on padding). Each chunk is saved on its own under `work` as it finishes, so a
 killed prep resumes from the chunks it has, and the chunks spread over the processes of a
 launcher (`torchrun --nproc_per_node=N --no-python hydra-heads prep ...`, or `srun -n N`):
-rank r computes chunks r, r + N, ... and rank 0 puts them together. A batch holds the same
-samples whatever the number of processes, so N processes give one process's dataset.
+the chunks of every split are shared out by their cost (the padded tokens their batches run),
+costliest first, each to the rank with the least work so far, so the ranks finish together;
+every rank computes the same shares from the data alone, with no communication, and rank 0
+puts the chunks together. A batch holds the same samples whatever the number of processes, so
+N processes give one process's dataset.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ from train.core.atomic import staged_dir
 from train.core.base import BaseConfig, load_base
 
 AUX = "aux_hidden"  # the column of EAGLE-3's fused layers (prep cache_aux_layers=[...])
-CHUNK_BATCHES = 16  # batches per saved chunk: the unit of resumption and of sharing out
+# Batches per saved chunk: the unit of resumption and of sharing out. Small enough that the
+# ranks' shares come out even on a few hundred samples (16 gave 175 samples 4 chunks, 62% of the
+# work to one of two ranks), large enough that saving one is cheap next to computing it.
+CHUNK_BATCHES = 4
 WAIT_POLL_S = 0.5
 
 
@@ -59,6 +65,27 @@ def _chunks(lengths, batch_size: int) -> list[np.ndarray]:
     order = np.argsort(np.asarray(lengths), kind="stable")
     per = batch_size * CHUNK_BATCHES
     return [order[i : i + per] for i in range(0, len(order), per)]
+
+
+def padded_tokens(lengths: np.ndarray, idx: np.ndarray, batch_size: int) -> int:
+    """What a chunk costs: the tokens its batches run, padding included (rows x longest row)."""
+    rows = np.asarray(lengths)[idx]
+    return sum(
+        len(b) * int(b.max())
+        for b in (rows[i : i + batch_size] for i in range(0, len(rows), batch_size))
+    )
+
+
+def shares(costs: list[int], world: int) -> list[int]:
+    """Each chunk's rank: costliest chunk first, each to the rank with the least work so far
+    (ties: the lower rank, then the lower chunk), so every rank computes the same shares."""
+    load = [0] * world
+    owner = [0] * len(costs)
+    for j in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[j] = r
+        load[r] += costs[j]
+    return owner
 
 
 def _forward(base, ids_list: list, device: str, aux_layers: tuple[int, ...] | None):
@@ -141,12 +168,21 @@ def cache_hidden_states(
         device = f"cuda:{ranks.local}"
     base = load_base(base_cfg, device=device)
     H = base.hidden_size
-    plan = {split: _chunks(ds["length"], batch_size) for split, ds in dd.items()}
+    lengths = {split: np.asarray(ds["length"]) for split, ds in dd.items()}
+    plan = {split: _chunks(lengths[split], batch_size) for split in dd}
+    jobs = [(split, c, idx) for split, chunks in plan.items() for c, idx in enumerate(chunks)]
+    costs = [padded_tokens(lengths[split], idx, batch_size) for split, _, idx in jobs]
+    owner = shares(costs, ranks.world)
+    if ranks.world > 1:
+        mine = sum(c for c, r in zip(costs, owner, strict=True) if r == ranks.rank)
+        print(
+            f"rank {ranks.rank}/{ranks.world}: {owner.count(ranks.rank)} of {len(jobs)} "
+            f"hidden-state chunks, {mine / max(sum(costs), 1):.1%} of the padded tokens"
+        )
     todo = [
         (split, c, idx)
-        for split, chunks in plan.items()
-        for c, idx in enumerate(chunks)
-        if c % ranks.world == ranks.rank and not (work / split / f"chunk-{c:05d}").is_dir()
+        for (split, c, idx), r in zip(jobs, owner, strict=True)
+        if r == ranks.rank and not (work / split / f"chunk-{c:05d}").is_dir()
     ]
     label = "caching hidden states" + (f" (rank {ranks.rank}/{ranks.world})" * (ranks.world > 1))
     with tqdm(total=sum(len(idx) for _, _, idx in todo), desc=label, unit="sample") as bar:
@@ -200,9 +236,11 @@ def _assemble(dd, plan: dict[str, list], work: Path, H: int, aux_layers=None):
 
 
 def chunk_dir(partial: Path, dd, base_cfg: BaseConfig, batch_size: int, aux_layers=None) -> Path:
-    """Where a prep's chunks live: keyed by its samples (each split's tokens), base, batch size
-    and fused layers, so that a prep of other data or another base never reuses them."""
+    """Where a prep's chunks live: keyed by its samples (each split's tokens), base, batch size,
+    chunk size and fused layers, so that a prep of other data or another base never reuses them
+    (nor one whose chunks were cut otherwise)."""
     key = [base_cfg.name, batch_size, sorted(dd)] + ([list(aux_layers)] if aux_layers else [])
+    key.append({"chunk_batches": CHUNK_BATCHES})
     h = hashlib.sha256(json.dumps(key).encode())
     for split in sorted(dd):
         col = dd[split].data.column("input_ids").combine_chunks()

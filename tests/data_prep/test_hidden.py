@@ -65,6 +65,29 @@ def test_a_killed_cache_resumes_from_its_saved_chunks(tiny_prepared, tmp_path, m
     assert hidden.chunk_dir(tmp_path, dd, cfg.base, 2) != work
 
 
+def test_chunks_are_shared_out_by_their_padded_tokens():
+    from data_prep.hidden import padded_tokens, shares
+
+    # batches [2, 3] and [5, 7]: 2 rows x 3 tokens + 2 rows x 7 tokens
+    assert padded_tokens(np.array([3, 5, 2, 7]), np.array([2, 0, 1, 3]), 2) == 20
+    assert padded_tokens(np.array([3, 5, 2, 7]), np.array([2, 0, 1]), 2) == 2 * 3 + 5
+    # length-sorted chunks cost more and more: every second one to a rank (the old way) gives
+    # rank 1 20 of 36; costliest first to the least loaded rank gives 18 each
+    costs = [1, 2, 3, 4, 5, 6, 7, 8]
+    owner = shares(costs, 2)
+    assert owner == [0, 1, 1, 0, 0, 1, 1, 0]
+    assert [sum(c for c, r in zip(costs, owner) if r == k) for k in (0, 1)] == [18, 18]
+    assert shares(costs, 1) == [0] * 8
+    assert sorted(set(shares(costs, 3))) == [0, 1, 2]
+    # a skewed cut: no rank carries more than an even share plus the costliest chunk
+    rng = np.random.default_rng(0)
+    costs = sorted(int(x) for x in rng.integers(1, 1000, 37))
+    for world in (2, 3, 4):
+        owner = shares(costs, world)
+        loads = [sum(c for c, r in zip(costs, owner) if r == k) for k in range(world)]
+        assert max(loads) - min(loads) <= max(costs), (world, loads)
+
+
 def test_several_processes_need_cache_hidden(tmp_path, monkeypatch):
     from data_prep.prepare import PrepError, prepare
 
