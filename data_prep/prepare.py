@@ -340,7 +340,7 @@ def _tokenize_batch(batch: dict[str, list], tokenizer, cfg: dict) -> dict[str, l
     for cid, key, enc in zip(batch["conv_id"], batch["key"], encoded, strict=True):
         split = "validation" if _is_validation(key, cfg["seed"], cfg["val_fraction"]) else "train"
 
-        def emit(ids, mask, reason, n_conv, piece, cid=cid, split=split):
+        def emit(ids, mask, reason, n_conv, piece, detail="", cid=cid, split=split):
             out["conv_id"].append(cid)
             # numpy rows: Arrow converts them far faster than Python lists of ints
             out["input_ids"].append(np.asarray(ids, dtype=np.int32))
@@ -351,9 +351,10 @@ def _tokenize_batch(batch: dict[str, list], tokenizer, cfg: dict) -> dict[str, l
             out["piece"].append(piece)
             out["split"].append(split)
             out["skip_reason"].append(reason)
+            out["skip_detail"].append(detail)
 
         if isinstance(enc, TemplateError):
-            emit([], [], "template_error", 0, 0)
+            emit([], [], "template_error", 0, 0, detail=str(enc))
             continue
         n = len(enc.input_ids)
         if sum(enc.loss_mask) < cfg["min_trainable_tokens"]:
@@ -382,7 +383,8 @@ def _features(final: bool = False):
     cols |= {"length": i32, "num_trainable": i32}
     if final:
         return Features({**cols, "seq_lens": Sequence(i32)})
-    return Features({**cols, "conv_tokens": i32, "piece": i32, "split": text, "skip_reason": text})
+    cols |= {"conv_tokens": i32, "piece": i32, "split": text}
+    return Features({**cols, "skip_reason": text, "skip_detail": text})
 
 
 def pack_samples(part, max_length: int, seed: int) -> Iterator[dict]:
@@ -516,10 +518,11 @@ def kept_samples(tok, skips: SkipLog):
     """Count `tok`'s skipped conversations in `skips`; returns (its kept samples, the token
     count of each tokenized conversation before any cut). PrepError if none is kept."""
     lengths = []
-    for b in iter_batches(tok, ["conv_id", "skip_reason", "conv_tokens", "piece"]):
-        for cid, r in zip(b["conv_id"], b["skip_reason"], strict=True):
-            if r:
-                skips.skip(r, f"conversation {cid}")
+    cols = ["conv_id", "skip_reason", "skip_detail", "conv_tokens", "piece"]
+    for b in iter_batches(tok, cols):
+        for cid, r, why in zip(b["conv_id"], b["skip_reason"], b["skip_detail"], strict=True):
+            if r:  # why: what the chat template said, for a template_error
+                skips.skip(r, f"conversation {cid}", why)
         n, p = np.asarray(b["conv_tokens"]), np.asarray(b["piece"])
         lengths.append(n[(p == 0) & (n > 0)])
     conv_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)

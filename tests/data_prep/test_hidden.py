@@ -76,7 +76,7 @@ def test_chunks_are_shared_out_by_their_padded_tokens():
     costs = [1, 2, 3, 4, 5, 6, 7, 8]
     owner = shares(costs, 2)
     assert owner == [0, 1, 1, 0, 0, 1, 1, 0]
-    assert [sum(c for c, r in zip(costs, owner) if r == k) for k in (0, 1)] == [18, 18]
+    assert [sum(c for c, r in zip(costs, owner, strict=True) if r == k) for k in (0, 1)] == [18, 18]
     assert shares(costs, 1) == [0] * 8
     assert sorted(set(shares(costs, 3))) == [0, 1, 2]
     # a skewed cut: no rank carries more than an even share plus the costliest chunk
@@ -84,7 +84,7 @@ def test_chunks_are_shared_out_by_their_padded_tokens():
     costs = sorted(int(x) for x in rng.integers(1, 1000, 37))
     for world in (2, 3, 4):
         owner = shares(costs, world)
-        loads = [sum(c for c, r in zip(costs, owner) if r == k) for k in range(world)]
+        loads = [sum(c for c, r in zip(costs, owner, strict=True) if r == k) for k in range(world)]
         assert max(loads) - min(loads) <= max(costs), (world, loads)
 
 

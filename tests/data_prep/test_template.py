@@ -162,6 +162,36 @@ def test_a_conversation_the_template_refuses_is_one_skipped_row(tiny_tokenizer):
     assert isinstance(good, Encoded) and sum(good.loss_mask) > 0
 
 
+def test_prep_keeps_what_the_template_said_of_a_refused_conversation(tiny_tokenizer):
+    from data_prep.normalize import pack_extras
+    from data_prep.prepare import kept_samples, tokenize
+    from tests.helpers import prep_config
+    from train.core.readers import SkipLog
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = REFUSES_SYSTEM
+    convs = {"sys": [{"role": "system", "content": "Be brief."}, *CONVS[0]], "ok": CONVS[0]}
+    rows = [
+        {
+            "conv_id": cid,
+            "key": cid,
+            "roles": [m["role"] for m in msgs],
+            "contents": [m["content"] for m in msgs],
+            "extras": pack_extras(msgs),
+        }
+        for cid, msgs in convs.items()
+    ]
+    cfg = prep_config(["out=unused", "base=tiny_random", "data.val_fraction=0.0"])
+    samples, _ = tokenize(rows, tok, cfg)
+    skips = SkipLog()
+    kept, _ = kept_samples(samples, skips)
+    assert kept["conv_id"] == ["ok"]
+    assert skips.counts == {"template_error": 1}
+    assert skips.examples["template_error"] == [
+        "conversation sys: the chat template refuses this conversation: System role not supported"
+    ]
+
+
 def test_an_eval_prompt_the_template_refuses_is_a_config_error(tiny_tokenizer):
     from evaluation.evaluate import render_chat
     from train.core.errors import ConfigError
