@@ -1,7 +1,7 @@
 """An Optuna search with 1 worker against N local workers on the same cores, on SmolLM2.
 
 Usage: python evaluation/benchmarks/bench_search_workers.py [--trials 4] [--workers 2]
-       [--steps 12] [--conversations 40] [--out DIR]
+       [--steps 12] [--conversations 40] [--threads-per-worker T] [--out DIR]
 
 Prepares the first bundled ShareGPT conversations once (`hydra-heads prep cache_hidden=true`:
 the one-hour recipe trains offline), then runs the real
@@ -10,6 +10,10 @@ machine, with the same seeded random sampler (every trial's values are drawn up 
 
   (a) workers=1: the trials one after another, each with all the cores' threads;
   (b) workers=N storage=journal: N worker processes, each with cores / N threads.
+
+With --threads-per-worker T, every worker of both runs has T threads (`threads_per_worker=T`):
+how the workers scale where each brings cores of its own (a SLURM job per worker), as
+`bench_cache_hidden.py --per-process` measures the caching ranks.
 
 and prints each run's wall time, the ratio (a) / (b), each trial's values and τ side by side,
 and whether the two studies hold the same trials. τ may differ in the last digits between the
@@ -60,6 +64,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12, help="training steps per trial")
     ap.add_argument("--conversations", type=int, default=40)
+    ap.add_argument(
+        "--threads-per-worker", type=int, default=None, help="threads of every worker, both runs"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = Path(args.out or tempfile.mkdtemp(prefix="bench_search_"))
@@ -81,10 +88,15 @@ def main() -> None:
         f'train_args=["data.prepared={data}"]',
         "report=false",
     ]
+    if args.threads_per_worker is not None:
+        common.append(f"threads_per_worker={args.threads_per_worker}")
     one = _run([*common, f"out={root / 'one'}", "workers=1"])
     many = _run([*common, f"out={root / 'many'}", f"workers={args.workers}", "storage=journal"])
     a, b = _study(root / "one", False), _study(root / "many", True)
-    print(f"{args.trials} trials of {args.steps} steps on {os.cpu_count()} cores")
+    threads = (
+        "" if args.threads_per_worker is None else f", {args.threads_per_worker} thread(s) a worker"
+    )
+    print(f"{args.trials} trials of {args.steps} steps on {os.cpu_count()} cores{threads}")
     print("| run | wall s |\n|---|---|")
     print(f"| workers=1 | {one:.1f} |\n| workers={args.workers} | {many:.1f} |")
     print(f"wall time ratio (1 worker / {args.workers}): {one / many:.2f}x")
