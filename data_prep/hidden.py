@@ -5,10 +5,10 @@ little compute on padding). Each chunk is saved on its own under `work` as it fi
 killed prep resumes from the chunks it has, and the chunks spread over the processes of a
 launcher (`torchrun --nproc_per_node=N --no-python hydra-heads prep ...`, or `srun -n N`):
 the chunks of every split are shared out by their cost (the padded tokens their batches run),
-costliest first, each to the rank with the least work so far, so the ranks finish together;
-every rank computes the same shares from the data alone, with no communication, and rank 0
-puts the chunks together. A batch holds the same samples whatever the number of processes, so
-N processes give one process's dataset.
+costliest first, each to the rank with the least work so far, so the ranks finish as evenly as
+whole chunks allow; every rank computes the same shares from the data alone, with no
+communication, and rank 0 puts the chunks together. A batch holds the same samples whatever
+the number of processes, so N processes give one process's dataset.
 """
 
 from __future__ import annotations
@@ -25,14 +25,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data_prep.spool import column_array
 from train.core.atomic import staged_dir
 from train.core.base import BaseConfig, load_base
 
 AUX = "aux_hidden"  # the column of EAGLE-3's fused layers (prep cache_aux_layers=[...])
-# Batches per saved chunk: the unit of resumption and of sharing out. Small enough that the
-# ranks' shares come out even on a few hundred samples (16 gave 175 samples 4 chunks, 62% of the
-# work to one of two ranks), large enough that saving one is cheap next to computing it.
-CHUNK_BATCHES = 4
+# Batches per saved chunk, the unit of resumption and of sharing out: as many as make at most
+# CHUNKS_PER_SPLIT chunks of a split, within these bounds. A small split gets small chunks, so
+# the ranks' shares come out even (16 batches a chunk gave 175 samples 4 chunks, 3 of them, 59%
+# of the padded tokens, to one of two ranks); a large one keeps few enough chunk dirs to put
+# together quickly (each is a dataset of its own).
+CHUNK_BATCHES = (4, 16)
+CHUNKS_PER_SPLIT = 256
+CHUNK_LAYOUT = 2  # in the chunk dir's key: chunks cut another way are never reused
 WAIT_POLL_S = 0.5
 
 
@@ -60,10 +65,18 @@ class Ranks:
         return cls(rank, max(world, 1), local)
 
 
-def _chunks(lengths, batch_size: int) -> list[np.ndarray]:
-    """Sample indices of each chunk: the length-sorted order cut into CHUNK_BATCHES batches."""
-    order = np.argsort(np.asarray(lengths), kind="stable")
-    per = batch_size * CHUNK_BATCHES
+def chunk_batches(samples: int, batch_size: int) -> int:
+    """Batches per chunk of a split of `samples`: at most CHUNKS_PER_SPLIT chunks, within
+    CHUNK_BATCHES."""
+    batches = -(-samples // batch_size)
+    low, high = CHUNK_BATCHES
+    return min(high, max(low, -(-batches // CHUNKS_PER_SPLIT)))
+
+
+def _chunks(lengths: np.ndarray, batch_size: int) -> list[np.ndarray]:
+    """Sample indices of each chunk: the length-sorted order cut into chunk_batches() batches."""
+    order = np.argsort(lengths, kind="stable")
+    per = batch_size * chunk_batches(len(order), batch_size)
     return [order[i : i + per] for i in range(0, len(order), per)]
 
 
@@ -168,8 +181,8 @@ def cache_hidden_states(
         device = f"cuda:{ranks.local}"
     base = load_base(base_cfg, device=device)
     H = base.hidden_size
-    lengths = {split: np.asarray(ds["length"]) for split, ds in dd.items()}
-    plan = {split: _chunks(lengths[split], batch_size) for split in dd}
+    lengths = {split: column_array(dd[split], "length") for split in sorted(dd)}
+    plan = {split: _chunks(lengths[split], batch_size) for split in sorted(dd)}
     jobs = [(split, c, idx) for split, chunks in plan.items() for c, idx in enumerate(chunks)]
     costs = [padded_tokens(lengths[split], idx, batch_size) for split, _, idx in jobs]
     owner = shares(costs, ranks.world)
@@ -237,10 +250,10 @@ def _assemble(dd, plan: dict[str, list], work: Path, H: int, aux_layers=None):
 
 def chunk_dir(partial: Path, dd, base_cfg: BaseConfig, batch_size: int, aux_layers=None) -> Path:
     """Where a prep's chunks live: keyed by its samples (each split's tokens), base, batch size,
-    chunk size and fused layers, so that a prep of other data or another base never reuses them
+    chunk layout and fused layers, so that a prep of other data or another base never reuses them
     (nor one whose chunks were cut otherwise)."""
     key = [base_cfg.name, batch_size, sorted(dd)] + ([list(aux_layers)] if aux_layers else [])
-    key.append({"chunk_batches": CHUNK_BATCHES})
+    key.append({"chunk_layout": CHUNK_LAYOUT})
     h = hashlib.sha256(json.dumps(key).encode())
     for split in sorted(dd):
         col = dd[split].data.column("input_ids").combine_chunks()

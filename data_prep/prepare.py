@@ -625,6 +625,9 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
                         dd.save_to_disk(str(tmp))
             device = _regen_device(cfg.cache_device)
             work = chunk_dir(partial, dd, cfg.base, cfg.cache_batch_size, aux)
+            for stale in partial.glob("hidden-*"):  # chunks of other samples, base or layout:
+                if stale != work:  # never read again, and as large as the states themselves
+                    shutil.rmtree(stale, ignore_errors=True)
             dd = cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device, work, ranks, aux)
         timing["cache_processes"] = ranks.world
     if not sources:

@@ -56,13 +56,47 @@ def test_a_killed_cache_resumes_from_its_saved_chunks(tiny_prepared, tmp_path, m
     real = hidden._forward
     monkeypatch.setattr(hidden, "_forward", lambda *a: calls.append(1) or real(*a))
     again = hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", work)
-    per_chunk = hidden.CHUNK_BATCHES
+    per_chunk = hidden.chunk_batches(len(dd["train"]), 1)
     assert len(calls) == len(dd["train"]) - per_chunk  # all but the first chunk's batches
     for split in dd:
         assert again[split]["hidden"] == first[split]["hidden"]
         assert again[split]["input_ids"] == dd[split]["input_ids"]
-    # another base or batch size is another chunk dir
+    # another batch size or chunk layout is another chunk dir
     assert hidden.chunk_dir(tmp_path, dd, cfg.base, 2) != work
+    monkeypatch.setattr(hidden, "CHUNK_LAYOUT", hidden.CHUNK_LAYOUT + 1)
+    assert hidden.chunk_dir(tmp_path, dd, cfg.base, 1) != work
+
+
+def test_two_ranks_cache_each_chunk_once(tiny_prepared, tmp_path, monkeypatch):
+    """In one process, rank 1 of 2 then rank 0 of 2: their shares do not overlap, and rank 0
+    finds every chunk there when it has cached its own (it would wait forever for a lost one)."""
+    from data_prep import hidden
+
+    cfg = prep_config(["base=tiny_random", "out=unused"])
+    dd = _dd(tiny_prepared)
+    work = hidden.chunk_dir(tmp_path, dd, cfg.base, 1)
+    calls = []
+    real = hidden._forward
+    monkeypatch.setattr(hidden, "_forward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(hidden, "WAIT_POLL_S", 0.01)
+
+    def waited(work, plan):  # the real wait, but a chunk missing after a second is a failure
+        missing = [
+            (s, c) for s in plan for c in range(len(plan[s]))
+            if not (work / s / f"chunk-{c:05d}").is_dir()
+        ]  # fmt: skip
+        assert not missing, f"no rank cached {missing}"
+
+    monkeypatch.setattr(hidden, "_wait_for_chunks", waited)
+    assert hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", work, hidden.Ranks(1, 2)) is None
+    by_one = len(calls)
+    both = hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", work, hidden.Ranks(0, 2))
+    samples = sum(len(dd[s]) for s in dd)
+    assert len(calls) == samples  # batch size 1: one forward per sample, none twice
+    assert 0 < by_one < samples
+    alone = hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", tmp_path / "alone")
+    for split in dd:
+        assert both[split]["hidden"] == alone[split]["hidden"]
 
 
 def test_chunks_are_shared_out_by_their_padded_tokens():
@@ -79,13 +113,25 @@ def test_chunks_are_shared_out_by_their_padded_tokens():
     assert [sum(c for c, r in zip(costs, owner, strict=True) if r == k) for k in (0, 1)] == [18, 18]
     assert shares(costs, 1) == [0] * 8
     assert sorted(set(shares(costs, 3))) == [0, 1, 2]
-    # a skewed cut: no rank carries more than an even share plus the costliest chunk
+    # random length-sorted costs: the busiest rank carries less than every N-th chunk gave it
     rng = np.random.default_rng(0)
     costs = sorted(int(x) for x in rng.integers(1, 1000, 37))
     for world in (2, 3, 4):
         owner = shares(costs, world)
         loads = [sum(c for c, r in zip(costs, owner, strict=True) if r == k) for k in range(world)]
-        assert max(loads) - min(loads) <= max(costs), (world, loads)
+        every_nth = [sum(costs[k::world]) for k in range(world)]
+        assert max(loads) < max(every_nth), (world, loads, every_nth)
+        assert sum(loads) == sum(costs)
+
+
+@pytest.mark.parametrize(
+    ("samples", "batch_size", "want"),
+    [(175, 4, 4), (2400, 4, 4), (8000, 4, 8), (100_000, 4, 16), (100_000, 64, 7), (1, 4, 4)],
+)
+def test_chunks_are_small_for_a_small_split_and_few_for_a_large_one(samples, batch_size, want):
+    from data_prep.hidden import chunk_batches
+
+    assert chunk_batches(samples, batch_size) == want
 
 
 def test_several_processes_need_cache_hidden(tmp_path, monkeypatch):
@@ -110,14 +156,16 @@ def test_two_processes_cache_the_dataset_one_process_does(tmp_path):
             "cache_batch_size=1", "data.val_fraction=0.15"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     one = subprocess.run(
-        [CLI, *args, f"out={tmp_path / 'one'}"], capture_output=True, text=True, env=env
-    )
+        [CLI, *args, f"out={tmp_path / 'one'}"], capture_output=True, text=True, env=env,
+        timeout=600,
+    )  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node=2", "--no-python", CLI]  # fmt: skip
     two = subprocess.run(
-        [*torchrun, *args, f"out={tmp_path / 'two'}"], capture_output=True, text=True, env=env
-    )
+        [*torchrun, *args, f"out={tmp_path / 'two'}"], capture_output=True, text=True, env=env,
+        timeout=600,
+    )  # fmt: skip
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
     assert "rank 1/2: its hidden-state chunks are cached" in two.stdout
     a, b = _load(tmp_path / "one"), _load(tmp_path / "two")
