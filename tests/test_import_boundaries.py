@@ -20,10 +20,12 @@ The rules, one test each:
 3. No import cycles among the project's modules.
 4. No module imports another module's `_private` name (`from x import _y`, or `x._y` on an
    imported project module).
-5. Importing every module of train.decoding or evaluation loads none of hydra-core, omegaconf,
-   lightning, deepspeed or wandb (and train/heads/ never loads lightning).
+5. Importing every module of train.heads, train.decoding or evaluation loads none of
+   hydra-core, omegaconf, lightning, deepspeed or wandb; no package below the CLI loads optuna,
+   submitit or wandb, and none but train/ lightning or deepspeed.
 6. hydra-core is imported only where the layer table allows it: in layer 0 only inside
-   `train.core.config.compose`, in the peers only by `train.recipe`, and anywhere in the CLI.
+   `train.core.config.compose`, in the peers only by `train.recipe`, and anywhere in the CLI
+   and the benchmarks.
 
 Benchmarks: a benchmark measures one of the peers and so needs its code (bench_train.py times
 the Lightning step of `train`, bench_prep.py the `data_prep` pipeline, bench_decode.py the
@@ -69,11 +71,14 @@ LAYERS = {
 # Modules nothing imports: scripts run by path (not in the wheel).
 SCRIPTS = ("evaluation.benchmarks",)
 TRAINING_STACK = ("lightning", "pytorch_lightning", "hydra", "omegaconf", "deepspeed", "wandb")
-THIRD_PARTY = {
-    "train.decoding": TRAINING_STACK,
-    "evaluation": TRAINING_STACK,
-    "train.heads": ("lightning", "pytorch_lightning"),
-    "data_prep": ("lightning", "pytorch_lightning", "deepspeed", "wandb"),
+CLI_ONLY = ("optuna", "submitit", "wandb")  # layer 4's (docs/architecture.md's table)
+THIRD_PARTY = {  # hydra-core's places are rule 6's
+    "train.core": ("lightning", "pytorch_lightning", "deepspeed", *CLI_ONLY),
+    "train.heads": (*TRAINING_STACK, *CLI_ONLY),
+    "train.decoding": (*TRAINING_STACK, *CLI_ONLY),
+    "train": CLI_ONLY,
+    "evaluation": (*TRAINING_STACK, *CLI_ONLY),
+    "data_prep": ("lightning", "pytorch_lightning", "deepspeed", *CLI_ONLY),
 }
 
 # -- reading a module's imports -----------------------------------------------------------------
@@ -89,16 +94,27 @@ def project_modules(root: Path = REPO, packages: Collection[str] = PACKAGES) -> 
     return {module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
 
 
+def scoped_imports(path: Path) -> Iterator[tuple[str, str | None, int]]:
+    """(absolute module imported, the outermost function or class it is imported in or None,
+    line) for every absolute import of the file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+    def walk(node: ast.AST, scope: str | None) -> Iterator[tuple[str, str | None, int]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                yield from ((a.name, scope, child.lineno) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                yield child.module, scope, child.lineno
+            inner = child.name if scope is None and isinstance(child, scopes) else scope
+            yield from walk(child, inner)
+
+    yield from walk(tree, None)
+
+
 def imports(path: Path) -> set[str]:
     """Absolute module names imported anywhere in the file (inside functions too)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-    return found
+    return {module for module, _, _ in scoped_imports(path)}
 
 
 def statements(path: Path, name: str) -> Iterator[tuple[str, str | None, int]]:
@@ -339,27 +355,9 @@ def private_imports(path: Path, name: str, known: Collection[str]) -> list[str]:
 
 # -- hydra-core ---------------------------------------------------------------------------------
 
-# Where hydra-core may be imported: module -> the one function it may be imported in (None:
-# anywhere in the module); every module of the CLI's component may import it anywhere.
+# Where hydra-core may be imported: module -> the one module-level function it may be imported
+# in (None: anywhere in the module); the CLI's modules and the benchmarks may import it anywhere.
 HYDRA_ALLOWED = {"train.core.config": "compose", "train.recipe": None}
-
-
-def scoped_imports(path: Path) -> Iterator[tuple[str, str | None, int]]:
-    """(absolute module imported, the outermost function it is imported in or None, line)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-
-    def walk(node: ast.AST, scope: str | None) -> Iterator[tuple[str, str | None, int]]:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.Import):
-                yield from ((a.name, scope, child.lineno) for a in child.names)
-            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                yield child.module, scope, child.lineno
-            inner = scope
-            if scope is None and isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-                inner = child.name
-            yield from walk(child, inner)
-
-    yield from walk(tree, None)
 
 
 def hydra_imports(path: Path, name: str, known: Collection[str]) -> list[str]:
