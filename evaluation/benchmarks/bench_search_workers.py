@@ -11,13 +11,15 @@ machine, with the same seeded random sampler (every trial's values are drawn up 
   (a) workers=1: the trials one after another, each with all the cores' threads;
   (b) workers=N storage=journal: N worker processes, each with cores / N threads.
 
+and prints each run's wall time, the ratio (a) / (b), each trial's values and τ side by side,
+whether the two studies hold the same trials, and the trials' own seconds in each run (the
+sum, and that sum split evenly over the workers: what the wall time would be if the last
+trials ended together and the workers started at once). τ may differ in the last digits between the
+runs: a step with 2 threads sums in another order than with 1.
+
 With --threads-per-worker T, every worker of both runs has T threads (`threads_per_worker=T`):
 how the workers scale where each brings cores of its own (a SLURM job per worker), as
 `bench_cache_hidden.py --per-process` measures the caching ranks.
-
-and prints each run's wall time, the ratio (a) / (b), each trial's values and τ side by side,
-and whether the two studies hold the same trials. τ may differ in the last digits between the
-runs: a step with 2 threads sums in another order than with 1.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ def _study(out: Path, journal: bool) -> list[tuple[dict, float | None]]:
     )
     trials = optuna.load_study(study_name="search_cpu", storage=storage).get_trials()
     return [(t.params, t.value) for t in sorted(trials, key=lambda t: t.number)]
+
+
+def _trial_seconds(out: Path) -> list[float]:
+    """Each trial's own seconds (train + eval), from the sweep's state."""
+    return [p["seconds"] for p in json.loads((out / "sweep.json").read_text())["points"]]
 
 
 def main() -> None:
@@ -104,6 +111,14 @@ def main() -> None:
     for i, ((pa, va), (_, vb)) in enumerate(zip(a, b, strict=False)):
         print(f"| {i} | {json.dumps(pa, sort_keys=True)} | {va} | {vb} |")
     print(f"same trials (values drawn): {[p for p, _ in a] == [p for p, _ in b]}")
+    # where the time goes: trials run slower beside each other, and the last ones rarely end
+    # together (the workers' start-up is in the wall time too)
+    sa, sb = _trial_seconds(root / "one"), _trial_seconds(root / "many")
+    print(
+        f"trial seconds in all: {sum(sa):.1f} with 1 worker, {sum(sb):.1f} with "
+        f"{args.workers} ({sum(sb) / sum(sa):.2f}x: trials beside each other run slower); "
+        f"split evenly over the workers that is {sum(sb) / args.workers:.1f} s a worker"
+    )
 
 
 if __name__ == "__main__":
