@@ -14,8 +14,8 @@ machine, with the same seeded random sampler (every trial's values are drawn up 
 and prints each run's wall time, the ratio (a) / (b), each trial's values and τ side by side,
 whether the two studies hold the same trials, and the trials' own seconds in each run (the
 sum, and that sum split evenly over the workers: what the wall time would be if the last
-trials ended together and the workers started at once). τ may differ in the last digits between the
-runs: a step with 2 threads sums in another order than with 1.
+trials ended together and the workers started at once). τ may differ in the last digits
+between the runs: a step with 2 threads sums in another order than with 1.
 
 With --threads-per-worker T, every worker of both runs has T threads (`threads_per_worker=T`):
 how the workers scale where each brings cores of its own (a SLURM job per worker), as
