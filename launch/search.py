@@ -240,12 +240,16 @@ def _next_trial(cfg: SweepConfig, out: Path, study, worker: str):
         return trial
 
 
-def _threads(cfg: SweepConfig) -> int | None:
-    """Torch threads per local worker: the key, or this machine's cores shared out (several
-    torch processes with all the cores each run several times slower than one alone)."""
+SLURM_WORKER = "slurm-"  # the worker ids of backend=slurm's jobs: slurm-0, slurm-1, ...
+
+
+def worker_threads(cfg: SweepConfig) -> int | None:
+    """Torch threads per worker: the key, or for local workers this machine's cores shared out
+    (several torch processes with all the cores each run several times slower than one alone);
+    a SLURM worker's trials use the whole of its job's own allocation (None)."""
     if cfg.threads_per_worker is not None:
         return cfg.threads_per_worker
-    if cfg.workers == 1:
+    if cfg.workers == 1 or str(cfg.worker).startswith(SLURM_WORKER):
         return None
     return max(1, len(os.sched_getaffinity(0)) // cfg.workers)
 
@@ -277,7 +281,7 @@ def run_worker(cfg: SweepConfig, out: Path, worker: str, progress: bool) -> dict
         with locked(out / "search.json"):
             requeued = _requeue_interrupted(study, out, worker)
         env = None
-        if (threads := _threads(cfg)) is not None:
+        if (threads := worker_threads(cfg)) is not None:
             env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         label = f"search {cfg.sweep.name}" + (f" (worker {worker})" if cfg.workers > 1 else "")
         with Progress(disable=not progress) as bar:
@@ -343,10 +347,8 @@ def run_workers(cfg: SweepConfig, out: Path, progress: bool) -> dict[str, Any]:
         procs.append((i, log_path, fh, subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)))
     try:
         with Progress(disable=not progress) as bar:
-            task = bar.add_task(
-                f"search {cfg.sweep.name}: {cfg.workers} workers ({_threads(cfg)} threads each)",
-                total=cfg.sweep.search.trials,
-            )
+            label = f"{cfg.workers} workers ({worker_threads(cfg)} threads each)"
+            task = bar.add_task(f"search {cfg.sweep.name}: {label}", total=cfg.sweep.search.trials)
             while any(p.poll() is None for *_, p in procs):
                 bar.update(task, completed=finished_trials(study))
                 time.sleep(1.0)
@@ -374,7 +376,7 @@ def submit_workers(cfg: SweepConfig, out: Path) -> dict[str, Any]:
     wdir = out / "workers"
     for i in range(cfg.workers):
         path = wdir / f"worker-{i}.sbatch"
-        own = [f"worker=slurm-{i}"]
+        own = [f"worker={SLURM_WORKER}{i}"]
         job_id = sweep_job(cfg, own, wdir, path, f"search worker {i}")
         record_job(out, f"worker-slurm-{i}", job_id)
         print(f"submitted search worker slurm-{i}: job {job_id} ({path})")

@@ -189,6 +189,27 @@ def test_two_local_workers_share_one_journal_study(tiny_prepared, tmp_path):
     assert json.loads((out / "report" / "study.json").read_text())["trials"]["complete"] == 4
 
 
+@pytest.mark.parametrize(
+    ("overrides", "want"),
+    [
+        (["workers=1"], None),  # one worker: the trials use every core
+        (["workers=2", "worker=0"], "shared"),  # local workers share this machine's cores
+        (["workers=2", "worker=slurm-1"], None),  # a SLURM job: its own allocation, whole
+        (["workers=2", "worker=slurm-1", "threads_per_worker=3"], 3),  # the key always wins
+        (["workers=2", "worker=1", "threads_per_worker=3"], 3),
+    ],
+)
+def test_threads_a_workers_trials_run_on(tiny_prepared, tmp_path, overrides, want):
+    from launch.config import SweepConfig
+    from launch.search import worker_threads
+    from train.core.config import compose, load
+
+    cfg = load(compose("sweep", [*search_args(tmp_path, tiny_prepared), *overrides]), SweepConfig)
+    if want == "shared":
+        want = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert worker_threads(cfg) == want
+
+
 def test_a_killed_workers_trial_is_queued_again_and_a_live_ones_is_not(tmp_path):
     """A running trial whose worker's lock is free (the worker was killed) fails and is queued
     again with its values; one whose worker holds its lock is left alone."""
