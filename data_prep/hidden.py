@@ -65,6 +65,16 @@ class Ranks:
         return cls(rank, max(world, 1), local)
 
 
+def rank_device(device: str, ranks: Ranks) -> str:
+    """The device a rank caches on: with several ranks on `cuda`, the local rank's GPU among
+    those it sees (all of the node's: `srun --gpus-per-node`, torchrun), or the one it sees
+    (`srun --gpus-per-task=1` binds each task to its own)."""
+    if device != "cuda" or ranks.world == 1:
+        return device
+    seen = torch.cuda.device_count()
+    return f"cuda:{ranks.local % seen}" if seen > 1 else "cuda"
+
+
 def chunk_batches(samples: int, batch_size: int) -> int:
     """Batches per chunk of a split of `samples`: at most CHUNKS_PER_SPLIT chunks, within
     CHUNK_BATCHES."""
@@ -177,9 +187,7 @@ def cache_hidden_states(
     """
     from tqdm.auto import tqdm  # as regeneration: its updates reach a log file too (rich's not)
 
-    if device.startswith("cuda") and ranks.world > 1:
-        device = f"cuda:{ranks.local}"
-    base = load_base(base_cfg, device=device)
+    base = load_base(base_cfg, device=rank_device(device, ranks))
     H = base.hidden_size
     lengths = {split: column_array(dd[split], "length") for split in sorted(dd)}
     plan = {split: _chunks(lengths[split], batch_size) for split in sorted(dd)}

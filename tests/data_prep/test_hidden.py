@@ -133,6 +133,23 @@ def test_chunks_are_small_for_a_small_split_and_few_for_a_large_one(samples, bat
     assert chunk_batches(samples, batch_size) == want
 
 
+@pytest.mark.parametrize(
+    ("device", "rank", "gpus_seen", "want"),
+    [
+        ("cuda", (3, 16, 3), 8, "cuda:3"),  # torchrun / srun --gpus-per-node: all the node's
+        ("cuda", (3, 16, 3), 1, "cuda"),  # srun --gpus-per-task=1: the one bound to the task
+        ("cuda", (0, 1, 0), 8, "cuda"),  # one process
+        ("cuda:2", (3, 16, 3), 8, "cuda:2"),  # named by the user
+        ("cpu", (1, 2, 1), 0, "cpu"),
+    ],
+)
+def test_each_rank_caches_on_a_gpu_it_sees(monkeypatch, device, rank, gpus_seen, want):
+    from data_prep.hidden import Ranks, rank_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus_seen)
+    assert rank_device(device, Ranks(*rank)) == want
+
+
 def test_several_processes_need_cache_hidden(tmp_path, monkeypatch):
     from data_prep.prepare import PrepError, prepare
 
