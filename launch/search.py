@@ -376,10 +376,10 @@ def submit_workers(cfg: SweepConfig, out: Path) -> dict[str, Any]:
     wdir = out / "workers"
     for i in range(cfg.workers):
         path = wdir / f"worker-{i}.sbatch"
-        own = [f"worker={SLURM_WORKER}{i}"]
-        job_id = sweep_job(cfg, own, wdir, path, f"search worker {i}")
-        record_job(out, f"worker-slurm-{i}", job_id)
-        print(f"submitted search worker slurm-{i}: job {job_id} ({path})")
+        worker = f"{SLURM_WORKER}{i}"
+        job_id = sweep_job(cfg, [f"worker={worker}"], wdir, path, f"search worker {i}")
+        record_job(out, f"worker-{worker}", job_id)
+        print(f"submitted search worker {worker}: job {job_id} ({path})")
     return read_state(out)
 
 
