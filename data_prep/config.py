@@ -140,6 +140,9 @@ class RegenConfig(ConfigModel):
     # (packed), where timed faster (auto, which may choose differently run to run), or never
     # (standard); eval.weight_layout's choices (docs/eval.md)
     weight_layout: Literal["packed", "standard", "auto"]
+    # with cache_hidden=true: save the base's hidden states as regeneration computes them, and
+    # let caching take them instead of running the base over those samples again
+    keep_states: bool
     # local: the base runs in this process | openai: an OpenAI-compatible chat-completions
     # server (vLLM, SGLang, TGI, llama.cpp) serving the same base
     backend: Literal["local", "openai"]

@@ -111,6 +111,73 @@ def shares(costs: list[int], world: int) -> list[int]:
     return owner
 
 
+def save_regen_states(path: Path, kept: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
+    """Regeneration's states of one shard: each conversation's (key, token ids (n,), float16
+    hidden states (n, H)), as three arrays in `path` (written whole or not at all)."""
+    with staged_dir(path) as tmp:
+        np.save(tmp / "ids.npy", np.concatenate([ids for _, ids, _ in kept]).astype(np.int32))
+        np.save(tmp / "hidden.npy", np.concatenate([h for _, _, h in kept]).astype(np.float16))
+        np.save(tmp / "lengths.npy", np.asarray([len(ids) for _, ids, _ in kept], np.int64))
+
+
+class RegenStates:
+    """The hidden states regeneration computed (prep regenerate=true cache_hidden=true), for
+    caching to take instead of running the base again over a sample of those tokens.
+
+    A sample takes them when its tokens are a regenerated conversation's or their start (a
+    sample cut at data.max_length, the first piece of a split one): with causal attention a
+    prefix's states are the whole's. Any other sample (a chat template that renders a reply
+    otherwise, a reply whose text tokenizes anew differently, a later piece of a split
+    conversation, a packed row) is computed as before. The arrays are memory-mapped, so
+    memory stays flat.
+    """
+
+    KEY = 48  # a conversation is indexed by its first KEY tokens (a system prompt and more)
+
+    def __init__(self, regen_dir: Path):
+        self.parts: list[tuple[np.ndarray, np.ndarray]] = []
+        self.index: dict[bytes, list[tuple[int, int, int]]] = {}  # key -> (part, start, n)
+        for d in sorted(Path(regen_dir).glob("states-*")):
+            if not (d / "lengths.npy").is_file():  # a staging dir a kill left
+                continue
+            ids = np.load(d / "ids.npy", mmap_mode="r")
+            hidden = np.load(d / "hidden.npy", mmap_mode="r")
+            part = len(self.parts)
+            self.parts.append((ids, hidden))
+            start = 0
+            for n in np.load(d / "lengths.npy").tolist():
+                key = _digest(ids[start : start + min(n, self.KEY)])
+                self.index.setdefault(key, []).append((part, start, n))
+                start += n
+        self.hidden_size = int(self.parts[0][1].shape[1]) if self.parts else None
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.index.values())
+
+    def _find(self, ids) -> tuple[int, int] | None:
+        ids = np.asarray(ids, dtype=np.int32)
+        for part, start, n in self.index.get(_digest(ids[: self.KEY]), ()):
+            if n >= len(ids) and np.array_equal(self.parts[part][0][start : start + len(ids)], ids):
+                return part, start
+        return None
+
+    def covers(self, ids) -> bool:
+        """Whether a sample of these tokens has its states here."""
+        return self._find(ids) is not None
+
+    def lookup(self, ids) -> np.ndarray | None:
+        """The states (len(ids), H) of a sample of these tokens, or None."""
+        hit = self._find(ids)
+        if hit is None:
+            return None
+        part, start = hit
+        return np.asarray(self.parts[part][1][start : start + len(ids)])
+
+
+def _digest(ids: np.ndarray) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int32).tobytes()).digest()
+
+
 def _forward(base, ids_list: list, device: str, aux_layers: tuple[int, ...] | None):
     """The base over a batch: each sample's last hidden state (T, H), and with `aux_layers` its
     hidden states at those indices concatenated (T, n H), fp16."""
@@ -175,6 +242,7 @@ def cache_hidden_states(
     work: Path,
     ranks: Ranks = Ranks(),
     aux_layers: tuple[int, ...] | None = None,
+    regen: RegenStates | None = None,
 ):
     """Add a `hidden` column (T, H) fp16: the base's last (post-norm) hidden state per token;
     with `aux_layers`, an `aux_hidden` column (T, n H) too: the hidden states at those indices of
@@ -184,6 +252,9 @@ def cache_hidden_states(
     that state through the frozen lm_head, so they match online training up to fp16 rounding.
     Computes this rank's chunks into `work/<split>/` (skipping those already there); rank 0
     then waits for every chunk and returns the DatasetDict, the others return None.
+
+    `regen`: the states regeneration computed; a sample they cover takes them and the base
+    runs over the others only (not with `aux_layers`, which regeneration does not keep).
     """
     from tqdm.auto import tqdm  # as regeneration: its updates reach a log file too (rich's not)
 
@@ -192,7 +263,14 @@ def cache_hidden_states(
     lengths = {split: column_array(dd[split], "length") for split in sorted(dd)}
     plan = {split: _chunks(lengths[split], batch_size) for split in sorted(dd)}
     jobs = [(split, c, idx) for split, chunks in plan.items() for c, idx in enumerate(chunks)]
-    costs = [padded_tokens(lengths[split], idx, batch_size) for split, _, idx in jobs]
+    if aux_layers or (regen is not None and regen.hidden_size not in (None, H)):
+        regen = None
+    # samples that take regeneration's states cost nothing: the shares count the others
+    taken = [_taken(regen, dd[split], idx) for split, _, idx in jobs]
+    costs = [
+        padded_tokens(lengths[split], idx[~t], batch_size)
+        for (split, _, idx), t in zip(jobs, taken, strict=True)
+    ]
     owner = shares(costs, ranks.world)
     if ranks.world > 1:
         mine = sum(c for c, r in zip(costs, owner, strict=True) if r == ranks.rank)
@@ -201,24 +279,44 @@ def cache_hidden_states(
             f"hidden-state chunks, {mine / max(sum(costs), 1):.1%} of the padded tokens"
         )
     todo = [
-        (split, c, idx)
-        for (split, c, idx), r in zip(jobs, owner, strict=True)
+        (split, c, idx, t)
+        for (split, c, idx), t, r in zip(jobs, taken, owner, strict=True)
         if r == ranks.rank and not (work / split / f"chunk-{c:05d}").is_dir()
     ]
     label = "caching hidden states" + (f" (rank {ranks.rank}/{ranks.world})" * (ranks.world > 1))
-    with tqdm(total=sum(len(idx) for _, _, idx in todo), desc=label, unit="sample") as bar:
-        for split, c, idx in todo:
+    with tqdm(total=sum(len(idx) for _, _, idx, _ in todo), desc=label, unit="sample") as bar:
+        for split, c, idx, t in todo:
             ids = dd[split].select(idx)["input_ids"]
-            rows = []
-            for i in range(0, len(ids), batch_size):
-                rows += _forward(base, ids[i : i + batch_size], device, aux_layers)
-                bar.update(len(ids[i : i + batch_size]))
+            rows: list = [(regen.lookup(ids[j]),) if t[j] else None for j in range(len(ids))]
+            bar.update(int(t.sum()))
+            run = [j for j, r in enumerate(rows) if r is None]  # in length order, as before
+            for i in range(0, len(run), batch_size):
+                batch = run[i : i + batch_size]
+                got = _forward(base, [ids[j] for j in batch], device, aux_layers)
+                for j, r in zip(batch, got, strict=True):
+                    rows[j] = r
+                bar.update(len(batch))
             (work / split).mkdir(parents=True, exist_ok=True)
             _save_chunk(work / split / f"chunk-{c:05d}", rows, H, aux_layers)
+    if regen is not None:
+        who = f"rank {ranks.rank}/{ranks.world}: " if ranks.world > 1 else ""
+        mine = [t for t, r in zip(taken, owner, strict=True) if r == ranks.rank]
+        n = sum(len(t) for t in mine)
+        print(
+            f"{who}hidden states of {sum(int(t.sum()) for t in mine)} of {n} samples taken "
+            "from regeneration"
+        )
     if ranks.rank != 0:
         return None
     _wait_for_chunks(work, plan)
     return _assemble(dd, plan, work, H, aux_layers)
+
+
+def _taken(regen: RegenStates | None, ds, idx: np.ndarray) -> np.ndarray:
+    """Which samples of a chunk take regeneration's states (bool, in chunk order)."""
+    if regen is None or len(regen) == 0:
+        return np.zeros(len(idx), dtype=bool)
+    return np.asarray([regen.covers(x) for x in ds.select(idx)["input_ids"]], dtype=bool)
 
 
 def _wait_for_chunks(work: Path, plan: dict[str, list]) -> None:

@@ -628,7 +628,10 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
             for stale in partial.glob("hidden-*"):  # chunks of other samples, base or layout:
                 if stale != work:  # never read again, and as large as the states themselves
                     shutil.rmtree(stale, ignore_errors=True)
-            dd = cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device, work, ranks, aux)
+            regen = _regen_states(cfg, partial)
+            dd = cache_hidden_states(
+                dd, cfg.base, cfg.cache_batch_size, device, work, ranks, aux, regen
+            )
         timing["cache_processes"] = ranks.world
     if not sources:
         stats = make_stats(dd)
@@ -702,7 +705,10 @@ def _regenerated(cfg: PrepConfig, rows, partial: Path, skips) -> list:
 
         base = load_base(cfg.base, device=_regen_device(cfg.regen.device))
         use_weight_layout(base.model, layout=cfg.regen.weight_layout, key="regen.weight_layout")
-    rows = regenerate(rows.to_list(), base, cfg.regen, partial / "regen", cfg.seed, skips)
+    keep = cfg.cache_hidden and cfg.regen.keep_states and not cfg.cache_aux_layers
+    rows = regenerate(
+        rows.to_list(), base, cfg.regen, partial / "regen", cfg.seed, skips, keep_states=keep
+    )
     if not rows:
         raise PrepError(
             f"regeneration left no conversation (skipped {dict(skips.counts)}); for empty "
@@ -899,8 +905,18 @@ def _cache_share(cfg: PrepConfig, partial: Path, ranks) -> dict[str, Any]:
     device = _regen_device(cfg.cache_device)
     aux = tuple(cfg.cache_aux_layers) if cfg.cache_aux_layers else None
     work = chunk_dir(partial, dd, cfg.base, cfg.cache_batch_size, aux)
-    cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device, work, ranks, aux)
+    regen = _regen_states(cfg, partial)
+    cache_hidden_states(dd, cfg.base, cfg.cache_batch_size, device, work, ranks, aux, regen)
     return {"rank": ranks.rank, "world": ranks.world, "seconds": time.perf_counter() - t0}
+
+
+def _regen_states(cfg: PrepConfig, partial: Path):
+    """The states this prep's regeneration kept (regen.keep_states), for caching to take."""
+    from data_prep.hidden import RegenStates
+
+    if not (cfg.regenerate and cfg.regen.keep_states) or cfg.prepared_sources():
+        return None
+    return RegenStates(partial / "regen")
 
 
 def _regen_device(device: str) -> str:

@@ -26,9 +26,11 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from data_prep.config import RegenConfig, RegenError
+from data_prep.hidden import save_regen_states
 from data_prep.normalize import pack_extras, unpack_messages
 from data_prep.openai_backend import chat_replies
 from data_prep.template import template_messages
@@ -79,11 +81,24 @@ def generate_replies(
 ) -> list[list[int]]:
     """The reply token ids (EOS not included) of every prompt, in the order of `prompts`,
     batched by length (see the module docstring)."""
+    return generate(base, prompts, cfg, on_batch)[0]
+
+
+def generate(
+    base,
+    prompts: list[list[int]],
+    cfg: RegenConfig,
+    on_batch: OnBatch | None = None,
+    tails: list[list[int] | None] | None = None,
+) -> tuple[list[list[int]], list[np.ndarray | None]]:
+    """generate_replies' replies, and with `tails` each prompt's hidden states over prompt +
+    reply + tail (train/decoding/slab.py; None where its tail is None or without `tails`)."""
     _check_attention(base.model)
     tok = base.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos = eos_ids(base.tokenizer, base.model)
     replies: list[list[int]] = [[] for _ in prompts]
+    states: list[np.ndarray | None] = [None for _ in prompts]
     lengths = [len(p) for p in prompts]
     for batch in plan_batches(lengths, cfg.max_new_tokens, cfg.batch_size, cfg.batch_tokens):
         t0 = time.perf_counter()
@@ -95,12 +110,29 @@ def generate_replies(
             pad,
             cfg.temperature,
             cfg.top_p,
+            None if tails is None else [tails[i] for i in batch],
         )
-        for i, ids in zip(batch, out, strict=True):
+        out, got = out if tails is not None else (out, [None] * len(batch))
+        for i, ids, st in zip(batch, out, got, strict=True):
             replies[i] = ids[:-1] if ids and ids[-1] in eos else ids
+            states[i] = st
         if on_batch is not None:
             on_batch(len(batch), sum(len(o) for o in out), time.perf_counter() - t0)
-    return replies
+    return replies, states
+
+
+def reply_tail(tokenizer, history: list[dict], prompt: list[int]) -> list[int] | None:
+    """The tokens the chat template puts after an assistant reply to `history` (whose prompt,
+    turn_prompt's, is `prompt`): SmolLM2's `<|im_end|>` and a newline. None where the template
+    does not render a reply as the prompt, then the reply's own tokens, then the tail (one
+    that rewrites the history once a reply follows, say): that turn's states are not kept."""
+    probe = "Hello"
+    ids = _template_ids(tokenizer, [*history, {"role": "assistant", "content": probe}], False)
+    probe_ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    n, k = len(prompt), len(probe_ids)
+    if ids[:n] != prompt or ids[n : n + k] != probe_ids:
+        return None
+    return ids[n + k :]
 
 
 # How a server's replies are fetched, not what they are: changing these keeps finished shards.
@@ -168,18 +200,23 @@ def turn_prompt(tokenizer, history: list[dict]) -> list[int]:
     """Token ids of the chat `history` plus the assistant-turn opener. Tool calls and reasoning
     in the history reach the model as training renders them (template_messages: inlined where
     the chat template does not read them)."""
+    return _template_ids(tokenizer, history, True)
+
+
+def _template_ids(tokenizer, msgs: list[dict], opener: bool) -> list[int]:
     ids = tokenizer.apply_chat_template(
-        template_messages(tokenizer, history),
-        add_generation_prompt=True,
+        template_messages(tokenizer, msgs),
+        add_generation_prompt=opener,
         tokenize=True,
         return_dict=False,
     )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _replies(base, group: list[dict], prompts, step: int, cfg: RegenConfig, progress):
-    """This turn step's replies, (text or None, why not), from the base in this process or
-    from the OpenAI-compatible server (which gets the chat so far and applies the template)."""
+def _replies(base, group: list[dict], prompts, step: int, cfg: RegenConfig, progress, tails):
+    """This turn step's replies, (text or None, why not, the states over prompt + reply + tail
+    or None), from the base in this process or from the OpenAI-compatible server (which gets
+    the chat so far and applies the template; no states)."""
     if not prompts:
         return []
     if cfg.backend == "openai":
@@ -189,19 +226,31 @@ def _replies(base, group: list[dict], prompts, step: int, cfg: RegenConfig, prog
             len(base.tokenizer(t, add_special_tokens=False)["input_ids"]) for t, _ in out if t
         )
         progress.batch(len(group), tokens, time.perf_counter() - t0)
-        return out
-    ids = generate_replies(base, prompts, cfg, progress.batch)
-    return [(base.tokenizer.decode(x, skip_special_tokens=True), "") for x in ids]
+        return [(t, why, None) for t, why in out]
+    ids, states = generate(base, prompts, cfg, progress.batch, tails)
+    out = []
+    for p, x, st, tail in zip(prompts, ids, states, tails or [None] * len(ids), strict=True):
+        text = base.tokenizer.decode(x, skip_special_tokens=True)
+        kept = None
+        if st is not None:  # the tokens those states are of: the sample's, if it renders so
+            kept = (np.asarray(p + x + tail, dtype=np.int32), st)
+        out.append((text, "", kept))
+    return out
 
 
-def _regen_shard(rows: list[dict], base, cfg: RegenConfig, progress: _Progress) -> list[dict]:
-    """Regenerate every assistant turn of `rows`, turn by turn, batching across conversations."""
+def _regen_shard(
+    rows: list[dict], base, cfg: RegenConfig, progress: _Progress, keep_states: bool = False
+) -> tuple[list[dict], list[tuple[str, np.ndarray, np.ndarray]]]:
+    """Regenerate every assistant turn of `rows`, turn by turn, batching across conversations.
+    Returns the rows and (keep_states) each conversation's (key, token ids, hidden states) of
+    its last regenerated turn: the whole conversation as the template renders it."""
     tok = base.tokenizer
     limit = getattr(base.config, "max_position_embeddings", None)
     if limit is not None:
         limit -= cfg.max_new_tokens  # the reply must fit in the context too
     if cfg.max_prompt_tokens is not None:
         limit = cfg.max_prompt_tokens if limit is None else min(limit, cfg.max_prompt_tokens)
+    keep_states = keep_states and cfg.backend == "local"
     convs = []
     for r in rows:
         msgs = _messages(r)
@@ -212,7 +261,7 @@ def _regen_shard(rows: list[dict], base, cfg: RegenConfig, progress: _Progress) 
         active = [c for c in convs if c["stop"] is None and step < len(c["turns"])]
         if not active:
             break
-        group, prompts = [], []
+        group, prompts, tails = [], [], []
         for c in active:
             idx = c["turns"][step]
             p = turn_prompt(tok, c["msgs"][:idx])
@@ -222,8 +271,10 @@ def _regen_shard(rows: list[dict], base, cfg: RegenConfig, progress: _Progress) 
                 continue
             group.append(c)
             prompts.append(p)
-        texts = _replies(base, group, prompts, step, cfg, progress)
-        for c, (text, why) in zip(group, texts, strict=True):
+            if keep_states:
+                tails.append(reply_tail(tok, c["msgs"][:idx], p))
+        texts = _replies(base, group, prompts, step, cfg, progress, tails if keep_states else None)
+        for c, (text, why, kept) in zip(group, texts, strict=True):
             idx = c["turns"][step]
             reply = (text or "").strip()
             if not reply:
@@ -232,8 +283,9 @@ def _regen_shard(rows: list[dict], base, cfg: RegenConfig, progress: _Progress) 
                 continue
             c["msgs"][idx] = {"role": "assistant", "content": reply}
             c["done"] += 1
+            c["kept"] = kept  # the last regenerated turn's states cover the earlier turns'
         step += 1
-    out = []
+    out, kept = [], []
     for c in convs:
         # Keep the conversation up to its last regenerated reply.
         end = c["turns"][c["done"] - 1] + 1 if c["done"] else 0
@@ -250,11 +302,19 @@ def _regen_shard(rows: list[dict], base, cfg: RegenConfig, progress: _Progress) 
                 "stop": c["stop"],
             }
         )
-    return out
+        if c.get("kept") is not None:
+            kept.append((r["key"], *c["kept"]))
+    return out, kept
 
 
 def regenerate(
-    rows: list[dict], base, cfg: RegenConfig, workdir: Path, seed: int = 0, skips=None
+    rows: list[dict],
+    base,
+    cfg: RegenConfig,
+    workdir: Path,
+    seed: int = 0,
+    skips=None,
+    keep_states: bool = False,
 ) -> list[dict]:
     """Replace assistant turns in `rows` by the base model's own replies.
 
@@ -263,6 +323,11 @@ def regenerate(
     ends before a turn whose reply comes back empty or whose prompt is too long (over
     `cfg.max_prompt_tokens`, or no room for the reply in the context); one left without a turn
     is dropped, counted as 'regen_empty_reply' or 'regen_prompt_too_long'.
+
+    keep_states (prep cache_hidden=true, the local backend): each shard's hidden states of its
+    conversations as regenerated, the base's own over every token of the last regenerated
+    turn's prompt and reply, are saved beside it (`states-<shard>/`, before the shard itself),
+    for caching to take instead of running the base over those samples again.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     manifest = _manifest(rows, cfg, base.cfg.name, seed)
@@ -285,7 +350,9 @@ def regenerate(
             progress.skip(sum(_planned_turns(r, cfg) for r in shard_rows))
         else:
             torch.manual_seed(seed * 1_000_003 + s)  # per-shard seed: resume == uninterrupted
-            shard = _regen_shard(shard_rows, base, cfg, progress)
+            shard, kept = _regen_shard(shard_rows, base, cfg, progress, keep_states)
+            if kept:  # first: a shard that exists has its states saved, if it kept any
+                save_regen_states(workdir / f"states-{s:05d}", kept)
             write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in shard))
         with open(path, encoding="utf-8") as f:
             result.extend(json.loads(line) for line in f)

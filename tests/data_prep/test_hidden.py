@@ -98,6 +98,53 @@ def test_two_ranks_cache_each_chunk_once(tiny_prepared, tmp_path, monkeypatch):
         assert both[split]["hidden"] == alone[split]["hidden"]
 
 
+def test_samples_regeneration_covers_take_its_states_and_cost_nothing(
+    tiny_prepared, tmp_path, monkeypatch
+):
+    """Regeneration's states (here: a known array for every other train sample, one of them
+    only its start) are taken as they are; the base runs over the other samples only, and
+    the shares count only those. With aux layers (which regeneration does not keep) it runs
+    over all."""
+    from data_prep import hidden
+
+    cfg = prep_config(["base=tiny_random", "out=unused"])
+    dd = _dd(tiny_prepared)
+    train = dd["train"]
+    rng = np.random.default_rng(0)
+    covered = list(range(0, len(train), 2))
+    kept = []
+    for i in covered:
+        ids = np.asarray(train[i]["input_ids"], dtype=np.int32)
+        if i == 0:  # the sample is the start of a longer regenerated conversation
+            ids = np.concatenate([ids, np.asarray([3, 4, 5], dtype=np.int32)])
+        kept.append((str(i), ids, rng.standard_normal((len(ids), 64)).astype(np.float16)))
+    hidden.save_regen_states(tmp_path / "regen" / "states-00000", kept)
+    regen = hidden.RegenStates(tmp_path / "regen")
+    calls = []
+    real = hidden._forward
+    monkeypatch.setattr(
+        hidden, "_forward", lambda b, ids, *a: calls.extend(ids) or real(b, ids, *a)
+    )
+    costs = []
+    real_shares = hidden.shares
+    monkeypatch.setattr(hidden, "shares", lambda c, w: costs.extend(c) or real_shares(c, w))
+    work = hidden.chunk_dir(tmp_path, dd, cfg.base, 1)
+    got = hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", work, regen=regen)
+    assert len(calls) == sum(len(dd[s]) for s in dd) - len(covered)
+    want_cost = sum(len(dd[s]) and sum(dd[s]["length"]) for s in dd)
+    assert sum(costs) == want_cost - sum(train[i]["length"] for i in covered)
+    for (_, _, h), i in zip(kept, covered, strict=True):
+        n = len(train[i]["input_ids"])
+        np.testing.assert_array_equal(np.asarray(got["train"][i]["hidden"], np.float16), h[:n])
+    alone = hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", tmp_path / "alone")
+    for i in range(1, len(train), 2):  # the others: the base's own
+        assert got["train"][i]["hidden"] == alone["train"][i]["hidden"]
+    calls.clear()
+    aux = hidden.chunk_dir(tmp_path, dd, cfg.base, 1, (1,))
+    hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", aux, aux_layers=(1,), regen=regen)
+    assert len(calls) == sum(len(dd[s]) for s in dd)
+
+
 def test_chunks_are_shared_out_by_their_padded_tokens():
     from data_prep.hidden import padded_tokens, shares
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 
 import datasets
+import numpy as np
 import pytest
 
 from data_prep.prepare import prepare
@@ -74,11 +76,11 @@ def test_killed_run_resumes_at_the_first_missing_shard(tmp_path, tiny_base, monk
     calls = []
     real = regen_mod._regen_shard
 
-    def dies_on_second_shard(rows, base, c, progress):
+    def dies_on_second_shard(rows, base, c, progress, *keep):
         calls.append(rows[0]["conv_id"])
         if len(calls) == 2:
             raise KeyboardInterrupt("killed")
-        return real(rows, base, c, progress)
+        return real(rows, base, c, progress, *keep)
 
     monkeypatch.setattr(regen_mod, "_regen_shard", dies_on_second_shard)
     with pytest.raises(KeyboardInterrupt):
@@ -89,7 +91,7 @@ def test_killed_run_resumes_at_the_first_missing_shard(tmp_path, tiny_base, monk
     monkeypatch.setattr(
         regen_mod,
         "_regen_shard",
-        lambda rows, base, c, p: calls.append(rows[0]["conv_id"]) or real(rows, base, c, p),
+        lambda rows, base, c, p, *k: calls.append(rows[0]["conv_id"]) or real(rows, base, c, p, *k),
     )
     resumed = regenerate(_rows(6), tiny_base, cfg, tmp_path / "b")
     assert calls == ["c2", "c4"]  # shard 0 was not redone
@@ -322,11 +324,12 @@ def test_tool_calls_and_reasoning_stay_in_the_history_regeneration_sees(
 
     prompts_seen = []
 
-    def fake(base, prompts, cfg, on_batch=None):
+    def fake(base, prompts, cfg, on_batch=None, tails=None):
         prompts_seen.extend(prompts)
-        return [tiny_base.tokenizer.encode(f" reply{len(prompts_seen)}") for _ in prompts]
+        replies = [tiny_base.tokenizer.encode(f" reply{len(prompts_seen)}") for _ in prompts]
+        return replies, [None] * len(prompts)
 
-    monkeypatch.setattr(regen, "generate_replies", fake)
+    monkeypatch.setattr(regen, "generate", fake)
     cfg = regen_config(max_new_tokens=6)
     row = _tool_row()
     assert regen._planned_turns(row, cfg) == 2  # the tool-calling turn is not a target
@@ -364,3 +367,150 @@ def test_wire_messages_follow_the_chat_completions_format():
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     assert wire[2] == {"role": "tool", "content": "18C and sunny", "tool_call_id": "call_1_0"}
     assert all("reasoning_content" not in m for m in wire)
+
+
+# ---- regen.keep_states: regeneration's hidden states, for caching to take -------------------
+
+
+@pytest.mark.parametrize(("prefill_tokens", "row_step"), [(2048, 1), (64, 8)])
+def test_kept_states_are_a_full_forwards_over_prompt_reply_and_tail(
+    lively_base, monkeypatch, prefill_tokens, row_step
+):
+    """The states a row keeps are the base's own over prompt + reply + tail, as one forward
+    over those tokens computes them, whether the row ended on EOS or at max_new_tokens, and
+    whether it left the batch early (row_step 1) or stayed as ballast; the replies are those
+    generated without states; a row whose tail is None keeps none."""
+    import torch
+
+    import train.decoding.slab as slab_mod
+
+    monkeypatch.setattr(slab_mod, "PREFILL_TOKENS", prefill_tokens)
+    monkeypatch.setattr(slab_mod, "ROW_STEP", row_step)
+    model, eos = lively_base.model, eos_ids(lively_base.tokenizer, lively_base.model)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 40, 120, 9, 70)]
+    tails = [[258, 10], [258, 10], None, [7], [258, 10]]
+    args = (model, prompts, 16, eos, 0, 0.0, 1.0)
+    plain = slab_mod.generate_left_padded(*args)
+    tokens, states = slab_mod.generate_left_padded(*args, tails)
+    assert tokens == plain
+    ends = {len(t) == 16 and t[-1] not in eos for t in tokens}
+    assert ends == {True, False}  # some rows hit the limit, some ended on EOS
+    assert states[2] is None
+    for p, t, tail, st in zip(prompts, tokens, tails, states, strict=True):
+        if tail is None:
+            continue
+        reply = t[:-1] if t[-1] in eos else t
+        ids = torch.tensor([p + reply + tail])
+        with torch.no_grad():
+            want = model.model(input_ids=ids).last_hidden_state[0]
+        assert st.dtype == np.float16 and st.shape == tuple(want.shape)
+        torch.testing.assert_close(torch.from_numpy(st.astype(np.float32)), want, **FP16)
+
+
+FP16 = {"atol": 2e-3, "rtol": 2e-3}  # one float16 rounding apart
+
+
+def test_the_reply_tail_is_what_the_template_puts_after_a_reply(tiny_base):
+    from data_prep.regenerate import reply_tail, turn_prompt
+
+    tok = tiny_base.tokenizer
+    history = [{"role": "user", "content": "hi"}]
+    tail = reply_tail(tok, history, turn_prompt(tok, history))
+    assert tok.decode(tail) == "<|im_end|>\n"
+    # a template that renders the history otherwise once a reply follows gives no tail
+    assert reply_tail(tok, history, turn_prompt(tok, history)[:-1] + [5]) is None
+
+
+def test_regen_states_serve_a_conversation_and_its_start_only(tmp_path):
+    from data_prep.hidden import RegenStates, save_regen_states
+
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 500, 80).astype(np.int32)
+    b = np.concatenate([a[:60], rng.integers(0, 500, 30)]).astype(np.int32)  # a's start, then not
+    short = np.arange(10, dtype=np.int32)
+    kept = [(k, x, rng.standard_normal((len(x), 4)).astype(np.float16)) for k, x in
+            (("a", a), ("b", b), ("s", short))]  # fmt: skip
+    save_regen_states(tmp_path / "states-00000", kept)
+    (tmp_path / "states-00001.tmp-x").mkdir()  # a kill's staging dir: ignored
+    st = RegenStates(tmp_path)
+    assert len(st) == 3
+    np.testing.assert_array_equal(st.lookup(a), kept[0][2])
+    np.testing.assert_array_equal(st.lookup(b.tolist()), kept[1][2])
+    np.testing.assert_array_equal(st.lookup(a[:50]), kept[0][2][:50])  # a sample cut short
+    np.testing.assert_array_equal(st.lookup(b[:70]), kept[1][2][:70])
+    np.testing.assert_array_equal(st.lookup(short), kept[2][2])
+    assert st.lookup(np.concatenate([a, [1]])) is None  # longer than any
+    assert st.lookup(np.concatenate([a[:70], [1, 2]])) is None  # diverges from both
+    assert st.lookup(short[:5]) is None  # under RegenStates.KEY tokens: whole only
+    assert st.lookup(a[1:]) is None  # a later piece: its states differ
+    assert RegenStates(tmp_path / "none").lookup(a) is None
+
+
+def test_a_killed_run_keeps_the_states_of_the_shards_it_wrote(tmp_path, tiny_base, monkeypatch):
+    import data_prep.regenerate as regen_mod
+    from data_prep.hidden import RegenStates
+
+    cfg = regen_config(max_new_tokens=4, batch_size=2, shard_size=2, **SAMPLE)
+    real = regen_mod._regen_shard
+    calls = []
+
+    def dies_on_second_shard(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return real(*a)
+
+    monkeypatch.setattr(regen_mod, "_regen_shard", dies_on_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(_rows(4), tiny_base, cfg, tmp_path / "r", keep_states=True)
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [
+        "manifest.json", "shard-00000.jsonl", "states-00000"
+    ]  # fmt: skip
+    monkeypatch.setattr(regen_mod, "_regen_shard", real)
+    rows = regenerate(_rows(4), tiny_base, cfg, tmp_path / "r", keep_states=True)
+    assert (tmp_path / "r" / "states-00001").is_dir()
+    st = RegenStates(tmp_path / "r")
+    assert len(st) == len(rows) == 4  # each conversation's last regenerated turn
+    H = tiny_base.hidden_size
+    assert all(h.shape[1] == H for _, h in st.parts)
+
+
+def test_caching_takes_regenerations_states_in_prep(tmp_path, capsys):
+    """SmolLM2 answers two turns of a few conversations; caching takes regeneration's states
+    for the samples whose tokens are those it generated, and every sample's states are the
+    base's own, as caching alone computes them."""
+    from data_prep.hidden import cache_hidden_states
+
+    data = tmp_path / "d.jsonl"
+    qs = ["What is the capital of France?", "Name three colours.", "Say hello in Spanish.",
+          "What is 2 + 2?"]  # fmt: skip
+    data.write_text(
+        "\n".join(
+            json.dumps(
+                conv(("human", q), ("gpt", "X"), ("human", "Why?"), ("gpt", "Y"), cid=f"s{i}")
+            )
+            for i, q in enumerate(qs)
+        )
+    )
+    cfg = prep_config(
+        [
+            f"data.path={data}",
+            "data=jsonl",
+            f"out={tmp_path / 'o'}",
+            "data.val_fraction=0",
+            "regenerate=true",
+            "regen.max_new_tokens=12",
+            "cache_hidden=true",
+            "data.max_length=70",
+            "data.long_conversations=truncate",
+        ]
+    )
+    prepare(cfg)
+    taken = re.search(r"hidden states of (\d+) of (\d+) samples taken", capsys.readouterr().out)
+    dd = datasets.load_from_disk(str(tmp_path / "o"))
+    assert int(taken[2]) == len(dd["train"]) == 4 and int(taken[1]) >= 2
+    assert any(n == 70 for n in dd["train"]["length"])  # a sample cut at max_length took them too
+    ref = cache_hidden_states(dd.remove_columns("hidden"), cfg.base, 4, "cpu", tmp_path / "w")
+    for got, want in zip(dd["train"]["hidden"], ref["train"]["hidden"], strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)

@@ -23,10 +23,11 @@ and this strategy answers them, on the same KVCache and sampling rules:
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from train.decoding.backend import cache_kwarg
-from train.decoding.cache import KVCache, new_cache
+from train.decoding.backend import cache_kwarg, output_logits
+from train.decoding.cache import new_cache
 from train.decoding.sampling import sample_rows
 
 # Padded tokens per prefill forward: on one CPU core SmolLM2's prefill throughput stops growing
@@ -55,18 +56,19 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def _forward(model, ids, mask, positions, cache) -> torch.Tensor:
+def _forward(model, ids, mask, positions, cache, states: bool = False):
     """Logits (B, V) at the last position of `ids` (B, T), appending to `cache`; the lm_head
-    runs on that position only."""
-    out = model(
+    runs on that position only. With `states`, also the final (post-norm) hidden states
+    (B, T, H) of every position, else None."""
+    out = model.model(
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
         use_cache=True,
-        logits_to_keep=1,
-        **{cache_kwarg(type(model)): cache},
+        **{cache_kwarg(type(model.model)): cache},
     )
-    return out.logits[:, -1]
+    h = out.last_hidden_state
+    return output_logits(model, h[:, -1]), (h if states else None)
 
 
 def prefill_groups(prompts: list[list[int]]) -> list[list[int]]:
@@ -87,24 +89,30 @@ def prefill_groups(prompts: list[list[int]]) -> list[list[int]]:
     return groups
 
 
-def _prefill(model, prompts, pad: int, capacity: int) -> tuple[KVCache, torch.Tensor]:
-    """Every prompt's cache, right-aligned at the longest prompt's width, and the logits (B, V)
-    after each prompt."""
+def _prefill(model, prompts, pad: int, capacity: int, states: bool = False):
+    """Every prompt's cache, right-aligned at the longest prompt's width, the logits (B, V)
+    after each prompt, and (`states`) each prompt's hidden states (len(p), H) as float32 on the
+    CPU, else None."""
     device, rows = model.device, len(prompts)
     width = max(len(p) for p in prompts)
     cache, last = None, None
+    kept: list[torch.Tensor] | None = [None] * rows if states else None  # type: ignore[list-item]
     for g in prefill_groups(prompts):
         ids, mask = _left_pad([prompts[i] for i in g], pad, device)
         group = new_cache(model, ids.shape[1])
-        logits = _forward(model, ids, mask, _positions(mask), group)
+        logits, h = _forward(model, ids, mask, _positions(mask), group, states)
         if cache is None:
             cache = new_cache(model, capacity)
             cache.allocate_like(group, rows)
             last = logits.new_empty(rows, logits.shape[-1])
         cache.insert(group, torch.tensor(g), width)
         last[g] = logits
+        if kept is not None:
+            h = h.float().cpu()
+            for j, i in enumerate(g):  # left-padded: a prompt's tokens are its last columns
+                kept[i] = h[j, h.shape[1] - len(prompts[i]) :]
     cache.end = width
-    return cache, last
+    return cache, last, kept
 
 
 @torch.inference_mode()
@@ -116,43 +124,92 @@ def generate_left_padded(
     pad: int,
     temperature: float,
     top_p: float,
-) -> list[list[int]]:
+    tails: list[list[int] | None] | None = None,
+):
     """Generate up to `max_new_tokens` after each prompt, batched; a row stops after its first
     EOS token (kept as its last token, as `model.generate` does) and soon leaves the batch.
-    Sampling (temperature > 0) draws from torch's global generator."""
+    Sampling (temperature > 0) draws from torch's global generator. Returns each prompt's
+    tokens.
+
+    With `tails` (one per prompt, or None for a prompt whose states are not wanted) it returns
+    (tokens, states): states[i], float16 (n, H), the base's final hidden states over prompt i,
+    its reply (the tokens without a final EOS) and tails[i] (what the chat template puts
+    after a reply, e.g. `<|im_end|>` and a newline), which are fed to the row once its reply
+    ends and before it leaves the batch. These are what hidden-state caching computes for a
+    sample of exactly those tokens (data_prep/hidden.py takes them instead of running the
+    base again). Rows in their tail keep the batch larger for a step or two, so a sampled
+    reply can differ from one generated without `tails` (greedy replies do not, up to float
+    noise).
+    """
     device = model.device
     width = max(len(p) for p in prompts)
-    cache, logits = _prefill(model, prompts, pad, width + max_new_tokens)
+    capture = tails is not None
+    extra = 1 + max((len(t) for t in tails if t is not None), default=0) if capture else 0
+    cache, logits, kept = _prefill(model, prompts, pad, width + max_new_tokens + extra, capture)
     _, attn = _left_pad(prompts, pad, device)  # (B, L): 1 on real tokens
     pos = attn.sum(-1)  # (B,) position of each row's next token
     owner = torch.arange(len(prompts), device=device)  # batch row -> prompt index
     going = torch.ones(len(prompts), dtype=torch.bool, device=device)  # rows still generating
     eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     out_tokens: list[list[int]] = [[] for _ in prompts]
-    for step in range(max_new_tokens):
-        nxt = sample_rows(logits, temperature, top_p=top_p)  # (B,)
-        for r, t, g in zip(owner.tolist(), nxt.tolist(), going.tolist(), strict=True):
-            if g:
-                out_tokens[r].append(t)
-        if step == max_new_tokens - 1:
-            break
-        going &= ~torch.isin(nxt, eos_t)
-        alive = int(going.sum())
+    # capture: per prompt, the tokens it still has to feed after its reply, and its states
+    queue: list[list[int]] = [[] for _ in prompts]
+    fed_states: list[list[torch.Tensor]] = [[] for _ in prompts]
+    nxt = torch.full((len(prompts),), pad, dtype=torch.long, device=device)
+    step = 0
+    while True:
+        if bool(going.any()):
+            nxt = sample_rows(logits, temperature, top_p=top_p)  # (B,)
+            stop = torch.isin(nxt, eos_t)
+            if step == max_new_tokens - 1:
+                stop[:] = True
+            rows = zip(owner.tolist(), nxt.tolist(), going.tolist(), stop.tolist(), strict=True)
+            for r, t, g, s in rows:
+                if g:
+                    out_tokens[r].append(t)
+                    if s and capture and tails[r] is not None:  # its last token, unless EOS
+                        queue[r] = ([] if t in eos else [t]) + tails[r]
+            going &= ~stop
+        fed, active = nxt.clone(), going.clone()  # what each row feeds, and whether it counts
+        if capture:
+            for b, r in enumerate(owner.tolist()):
+                if queue[r]:
+                    fed[b] = queue[r].pop(0)
+                    active[b] = True
+        alive = int(active.sum())
         if alive == 0:
             break
         # Finished rows leave in whole steps of ROW_STEP rows: a matmul over 13 rows costs
         # more than over 16 here, so the rest of a step's rows keep generating as ballast.
         target = -(-alive // ROW_STEP) * ROW_STEP
         if target < len(owner):
-            keep = torch.cat([going.nonzero()[:, 0], (~going).nonzero()[:, 0]])[:target]
+            keep = torch.cat([active.nonzero()[:, 0], (~active).nonzero()[:, 0]])[:target]
             keep = keep.sort().values
-            owner, going, nxt, pos, attn = (x[keep] for x in (owner, going, nxt, pos, attn))
+            owner, going, active, fed, pos, attn = (
+                x[keep] for x in (owner, going, active, fed, pos, attn)
+            )
             # columns that are padding in every remaining row: the longest prompt may be gone
             lead = int((attn.shape[1] - attn.sum(-1)).min())
             attn = attn[:, lead:]
             cache.select_rows(keep)
             cache.trim(lead)
         attn = torch.cat([attn, attn.new_ones(len(owner), 1)], dim=1)
-        logits = _forward(model, nxt[:, None], attn, pos[:, None], cache)
+        logits, h = _forward(model, fed[:, None], attn, pos[:, None], cache, capture)
+        nxt = fed
+        if capture:
+            h = h[:, 0].float().cpu()
+            for b, (r, a) in enumerate(zip(owner.tolist(), active.tolist(), strict=True)):
+                if a and tails[r] is not None:
+                    fed_states[r].append(h[b])
         pos = pos + 1
-    return out_tokens
+        step += 1
+    if not capture:
+        return out_tokens
+    states: list[np.ndarray | None] = []
+    for i in range(len(prompts)):
+        if tails[i] is None:
+            states.append(None)
+            continue
+        rows = [kept[i], torch.stack(fed_states[i])] if fed_states[i] else [kept[i]]
+        states.append(torch.cat(rows).numpy().astype(np.float16))
+    return out_tokens, states
