@@ -135,8 +135,11 @@ def reply_tail(tokenizer, history: list[dict], prompt: list[int]) -> list[int] |
     return ids[n + k :]
 
 
-# How a server's replies are fetched, not what they are: changing these keeps finished shards.
-_OPERATIONAL = ("url", "concurrency", "timeout_s", "retries", "backoff_s", "api_key_env")
+# How a server's replies are fetched, not what they are, and whether the states are kept (a
+# shard without them has its samples cached by the base): changing these keeps finished shards.
+_OPERATIONAL = (
+    "url", "concurrency", "timeout_s", "retries", "backoff_s", "api_key_env", "keep_states"
+)  # fmt: skip
 
 
 def _manifest(rows: list[dict], cfg: RegenConfig, base_name: str, seed: int) -> dict:

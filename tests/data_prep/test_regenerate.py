@@ -514,3 +514,13 @@ def test_caching_takes_regenerations_states_in_prep(tmp_path, capsys):
     ref = cache_hidden_states(dd.remove_columns("hidden"), cfg.base, 4, "cpu", tmp_path / "w")
     for got, want in zip(dd["train"]["hidden"], ref["train"]["hidden"], strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)
+
+
+def test_turning_keep_states_on_or_off_keeps_finished_shards(tmp_path, tiny_base, monkeypatch):
+    import data_prep.regenerate as regen_mod
+
+    cfg = regen_config(max_new_tokens=3, shard_size=2, keep_states=False, **SAMPLE)
+    first = regenerate(_rows(2), tiny_base, cfg, tmp_path / "r")
+    monkeypatch.setattr(regen_mod, "_regen_shard", lambda *a: pytest.fail("shard redone"))
+    again = regen_config(max_new_tokens=3, shard_size=2, keep_states=True, **SAMPLE)
+    assert regenerate(_rows(2), tiny_base, again, tmp_path / "r", keep_states=True) == first
