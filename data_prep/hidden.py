@@ -111,10 +111,14 @@ def shares(costs: list[int], world: int) -> list[int]:
     return owner
 
 
-def save_regen_states(path: Path, kept: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
+def save_regen_states(
+    path: Path, kept: list[tuple[str, np.ndarray, np.ndarray]], dtype: str = "float32"
+) -> None:
     """Regeneration's states of one shard: each conversation's (key, token ids (n,), float16
-    hidden states (n, H)), as three arrays in `path` (written whole or not at all)."""
+    hidden states (n, H)), as three arrays in `path` (written whole or not at all), with the
+    dtype the base computed them in."""
     with staged_dir(path) as tmp:
+        (tmp / "meta.json").write_text(json.dumps({"dtype": dtype}))
         np.save(tmp / "ids.npy", np.concatenate([ids for _, ids, _ in kept]).astype(np.int32))
         np.save(tmp / "hidden.npy", np.concatenate([h for _, _, h in kept]).astype(np.float16))
         np.save(tmp / "lengths.npy", np.asarray([len(ids) for _, ids, _ in kept], np.int64))
@@ -134,11 +138,17 @@ class RegenStates:
 
     KEY = 48  # a conversation is indexed by its first KEY tokens (a system prompt and more)
 
-    def __init__(self, regen_dir: Path):
+    def __init__(self, regen_dir: Path, dtype: str | None = None):
+        """Every shard's states under `regen_dir`; with `dtype`, only those the base computed
+        in that dtype (a run resumed with another `base.dtype` caches the older shards' samples
+        with the base)."""
+        self.root = Path(regen_dir)
         self.parts: list[tuple[np.ndarray, np.ndarray]] = []
         self.index: dict[bytes, list[tuple[int, int, int]]] = {}  # key -> (part, start, n)
         for d in sorted(Path(regen_dir).glob("states-*")):
-            if not (d / "lengths.npy").is_file():  # a staging dir a kill left
+            if not (d / "lengths.npy").is_file() or not (d / "meta.json").is_file():
+                continue  # not states written whole by this release
+            if dtype is not None and json.loads((d / "meta.json").read_text())["dtype"] != dtype:
                 continue
             ids = np.load(d / "ids.npy", mmap_mode="r")
             hidden = np.load(d / "hidden.npy", mmap_mode="r")
@@ -150,6 +160,11 @@ class RegenStates:
                 self.index.setdefault(key, []).append((part, start, n))
                 start += n
         self.hidden_size = int(self.parts[0][1].shape[1]) if self.parts else None
+        self.taken_samples = 0  # set by cache_hidden_states: every rank's samples that took them
+
+    def restrict(self, dtype: str) -> None:
+        """Keep only the states computed in `dtype`."""
+        self.__init__(self.root, dtype)
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.index.values())
@@ -172,6 +187,11 @@ class RegenStates:
             return None
         part, start = hit
         return np.asarray(self.parts[part][1][start : start + len(ids)])
+
+
+def dtype_name(model) -> str:
+    """The dtype a model computes in, as its states record it ("float32")."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def _digest(ids: np.ndarray) -> bytes:
@@ -263,10 +283,13 @@ def cache_hidden_states(
     lengths = {split: column_array(dd[split], "length") for split in sorted(dd)}
     plan = {split: _chunks(lengths[split], batch_size) for split in sorted(dd)}
     jobs = [(split, c, idx) for split, chunks in plan.items() for c, idx in enumerate(chunks)]
-    if aux_layers or (regen is not None and regen.hidden_size not in (None, H)):
-        regen = None
+    if regen is not None:  # those computed in the dtype caching runs in, of the same width
+        regen.restrict(dtype_name(base.model))
+        regen = None if aux_layers or regen.hidden_size not in (None, H) else regen
     # samples that take regeneration's states cost nothing: the shares count the others
     taken = [_taken(regen, dd[split], idx) for split, _, idx in jobs]
+    if regen is not None:
+        regen.taken_samples = int(sum(t.sum() for t in taken))
     costs = [
         padded_tokens(lengths[split], idx[~t], batch_size)
         for (split, _, idx), t in zip(jobs, taken, strict=True)

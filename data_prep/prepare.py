@@ -637,6 +637,8 @@ def prepare(cfg: PrepConfig, resolved_config: str | None = None) -> dict[str, An
         stats = make_stats(dd)
     if not keep_states:  # else the merged sources' own states, which they share
         stats.update(cached_hidden=cfg.cache_hidden, cached_aux_layers=cfg.cache_aux_layers)
+    if cfg.cache_hidden and not sources and cfg.regenerate:  # how many the base ran over again
+        stats["cached_from_regeneration"] = regen.taken_samples if regen is not None else 0
     feats = next(iter(dd.values())).features
     if "hidden" in feats:  # offline training checks it against its base's hidden size
         stats["cached_hidden_size"] = int(feats["hidden"].shape[1])

@@ -13,6 +13,10 @@ whole against batch-1 `model.generate` and against `model.generate` on the same 
 - Generation itself is the decoding engine's left-padded strategy
   (train/decoding/slab.py): prefill in groups, one KV cache written in place, finished rows
   leaving the batch.
+
+With `keep_states` (prep cache_hidden=true, regen.keep_states) the base's final hidden states
+over each conversation's last regenerated turn (prompt, reply and the template's tail) are
+saved per shard, for hidden-state caching to take instead of running the base again.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 import torch
 
 from data_prep.config import RegenConfig, RegenError
-from data_prep.hidden import save_regen_states
+from data_prep.hidden import dtype_name, save_regen_states
 from data_prep.normalize import pack_extras, unpack_messages
 from data_prep.openai_backend import chat_replies
 from data_prep.template import template_messages
@@ -329,8 +333,10 @@ def regenerate(
 
     keep_states (prep cache_hidden=true, the local backend): each shard's hidden states of its
     conversations as regenerated, the base's own over every token of the last regenerated
-    turn's prompt and reply, are saved beside it (`states-<shard>/`, before the shard itself),
-    for caching to take instead of running the base over those samples again.
+    turn's prompt, reply and the chat template's tail after it, are saved beside it
+    (`states-<shard>/`, before the shard itself), for caching to take instead of running the
+    base over those samples again. A shard's states are held in memory until it is written:
+    shard_size x tokens x hidden size x 2 bytes (a smaller regen.shard_size for a large base).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     manifest = _manifest(rows, cfg, base.cfg.name, seed)
@@ -340,6 +346,8 @@ def regenerate(
         shutil.rmtree(workdir)
         workdir.mkdir(parents=True)
     write_json(mpath, manifest)
+    for stale in workdir.glob(".states-*"):  # a killed run's half-written or replaced states
+        shutil.rmtree(stale, ignore_errors=True)
     n_shards = (len(rows) + cfg.shard_size - 1) // cfg.shard_size
     done = sum((workdir / f"shard-{s:05d}.jsonl").exists() for s in range(n_shards))
     if done:
@@ -355,7 +363,7 @@ def regenerate(
             torch.manual_seed(seed * 1_000_003 + s)  # per-shard seed: resume == uninterrupted
             shard, kept = _regen_shard(shard_rows, base, cfg, progress, keep_states)
             if kept:  # first: a shard that exists has its states saved, if it kept any
-                save_regen_states(workdir / f"states-{s:05d}", kept)
+                save_regen_states(workdir / f"states-{s:05d}", kept, dtype_name(base.model))
             write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in shard))
         with open(path, encoding="utf-8") as f:
             result.extend(json.loads(line) for line in f)

@@ -2,6 +2,7 @@
 
 Usage: python evaluation/benchmarks/bench_regen.py [--prompts 16] [--max-new-tokens 128]
        [--batch-size B] [--batch-tokens T] [--threads N] [--skip-generate-batched] [--bf16]
+       [--keep-states]
 
 The prompts are the first assistant turns of the first `--prompts` bundled ShareGPT
 conversations, read and templated the way `hydra-heads prep regenerate=true` does (data order,
@@ -17,7 +18,10 @@ so the long-prompt tail is in the sample). Greedy, one pass each, measured in on
   (d) model.generate on batches of 8 in data order: regeneration before length batching;
   (e) with --bf16: (b) on a bf16 copy of the base (`prep base.dtype=bfloat16`, its weights
       packed as (b)'s): on a CPU with bf16 units (AVX512-BF16 / AMX) or a GPU. Its replies are
-      the bf16 base's greedy replies, so "same as (a)" measures how far they are from float32's.
+      the bf16 base's greedy replies, so "same as (a)" measures how far they are from float32's;
+  (f) with --keep-states: (b) keeping the hidden states that caching takes
+      (`regen.keep_states`, prep's default with cache_hidden=true): each finished row is fed
+      the chat template's tail before it leaves. Its replies should be (b)'s.
 
 tokens/s counts reply tokens (EOS left out) over the whole pass, prefill included. "same as
 (a)" is the share of replies identical to batch-1 greedy token for token (float noise in
@@ -40,7 +44,13 @@ import torch  # noqa: E402
 
 from data_prep.config import PrepConfig, RegenConfig  # noqa: E402
 from data_prep.prepare import read_conversations  # noqa: E402
-from data_prep.regenerate import generate_replies, plan_batches, turn_prompt  # noqa: E402
+from data_prep.regenerate import (  # noqa: E402
+    generate,
+    generate_replies,
+    plan_batches,
+    reply_tail,
+    turn_prompt,
+)
 from train.core.base import load_base  # noqa: E402
 from train.core.config import compose, load  # noqa: E402
 from train.core.readers import SkipLog  # noqa: E402
@@ -141,6 +151,7 @@ def run(
     cfg: RegenConfig,
     with_batched_generate: bool,
     bf16: bool = False,
+    keep_states: bool = False,
 ):
     new = cfg.max_new_tokens
     prep_base = as_prep_runs(base, cfg)
@@ -162,6 +173,17 @@ def run(
             timed(
                 "(b') regenerate.generate_replies, weight_layout=standard",
                 lambda: generate_replies(base, prompts, cfg),
+                len(plan),
+            )
+        )
+    if keep_states:
+        tok = base.tokenizer
+        history = [{"role": "user", "content": "Hi"}]
+        tail = reply_tail(tok, history, turn_prompt(tok, history))  # the template's, e.g. ChatML
+        results.append(
+            timed(
+                "(f) (b) keeping the states caching takes (regen.keep_states)",
+                lambda: generate(prep_base, prompts, cfg, None, [tail] * len(prompts))[0],
                 len(plan),
             )
         )
@@ -236,6 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--skip-generate-batched", action="store_true", help="leave out (c) and (d)")
     ap.add_argument("--bf16", action="store_true", help="add (e): (b) on a bf16 copy of the base")
+    ap.add_argument(
+        "--keep-states", action="store_true", help="add (f): (b) keeping caching's states"
+    )
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.max_new_tokens < 1:
         ap.error("--prompts and --max-new-tokens must be positive integers")
@@ -265,7 +290,9 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     hf_generate(base, [prompts[:1]], 4)  # warm-up: the first forwards pay one-off costs
-    results = run(base, prompts, cfg.regen, not args.skip_generate_batched, args.bf16)
+    results = run(
+        base, prompts, cfg.regen, not args.skip_generate_batched, args.bf16, args.keep_states
+    )
     title = (
         f"regeneration throughput: SmolLM2, {len(prompts)} ShareGPT first turns, greedy, "
         f"max_new_tokens {args.max_new_tokens}, batch_size {cfg.regen.batch_size}, "

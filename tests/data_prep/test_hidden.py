@@ -131,18 +131,30 @@ def test_samples_regeneration_covers_take_its_states_and_cost_nothing(
     work = hidden.chunk_dir(tmp_path, dd, cfg.base, 1)
     got = hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", work, regen=regen)
     assert len(calls) == sum(len(dd[s]) for s in dd) - len(covered)
+    assert regen.taken_samples == len(covered)  # what prep_stats.json records
     want_cost = sum(len(dd[s]) and sum(dd[s]["length"]) for s in dd)
     assert sum(costs) == want_cost - sum(train[i]["length"] for i in covered)
+    one = list(costs)
     for (_, _, h), i in zip(kept, covered, strict=True):
         n = len(train[i]["input_ids"])
         np.testing.assert_array_equal(np.asarray(got["train"][i]["hidden"], np.float16), h[:n])
     alone = hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", tmp_path / "alone")
     for i in range(1, len(train), 2):  # the others: the base's own
         assert got["train"][i]["hidden"] == alone["train"][i]["hidden"]
+    costs.clear()  # another rank computes the same costs, so the same shares
+    hidden.cache_hidden_states(
+        dd, cfg.base, 1, "cpu", tmp_path / "r1", hidden.Ranks(1, 2), None, regen
+    )
+    assert costs == one
     calls.clear()
     aux = hidden.chunk_dir(tmp_path, dd, cfg.base, 1, (1,))
     hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", aux, aux_layers=(1,), regen=regen)
     assert len(calls) == sum(len(dd[s]) for s in dd)
+    calls.clear()  # states a bf16 base computed are not a float32 base's
+    hidden.save_regen_states(tmp_path / "bf16" / "states-00000", kept, dtype="bfloat16")
+    bf16 = hidden.RegenStates(tmp_path / "bf16")
+    hidden.cache_hidden_states(dd, cfg.base, 1, "cpu", tmp_path / "w16", regen=bf16)
+    assert len(calls) == sum(len(dd[s]) for s in dd) and bf16.taken_samples == 0
 
 
 def test_chunks_are_shared_out_by_their_padded_tokens():

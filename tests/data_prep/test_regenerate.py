@@ -432,9 +432,12 @@ def test_regen_states_serve_a_conversation_and_its_start_only(tmp_path):
     kept = [(k, x, rng.standard_normal((len(x), 4)).astype(np.float16)) for k, x in
             (("a", a), ("b", b), ("s", short))]  # fmt: skip
     save_regen_states(tmp_path / "states-00000", kept)
-    (tmp_path / "states-00001.tmp-x").mkdir()  # a kill's staging dir: ignored
-    st = RegenStates(tmp_path)
+    save_regen_states(tmp_path / "states-00001", kept[:1], dtype="bfloat16")
+    (tmp_path / "states-00002").mkdir()  # not written whole (no meta.json): ignored
+    np.save(tmp_path / "states-00002" / "lengths.npy", np.asarray([80]))
+    st = RegenStates(tmp_path, dtype="float32")  # the bf16 base's states are not a float32's
     assert len(st) == 3
+    assert len(RegenStates(tmp_path)) == 4 and len(RegenStates(tmp_path, "bfloat16")) == 1
     np.testing.assert_array_equal(st.lookup(a), kept[0][2])
     np.testing.assert_array_equal(st.lookup(b.tolist()), kept[1][2])
     np.testing.assert_array_equal(st.lookup(a[:50]), kept[0][2][:50])  # a sample cut short
@@ -468,12 +471,29 @@ def test_a_killed_run_keeps_the_states_of_the_shards_it_wrote(tmp_path, tiny_bas
         "manifest.json", "shard-00000.jsonl", "states-00000"
     ]  # fmt: skip
     monkeypatch.setattr(regen_mod, "_regen_shard", real)
-    rows = regenerate(_rows(4), tiny_base, cfg, tmp_path / "r", keep_states=True)
+    # killed again, between the second shard's states and the shard itself
+    real_write = regen_mod.write_text
+
+    def dies_writing_a_shard(path, text):
+        if path.name == "shard-00001.jsonl":
+            raise KeyboardInterrupt("killed")
+        return real_write(path, text)
+
+    monkeypatch.setattr(regen_mod, "write_text", dies_writing_a_shard)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(_rows(4), tiny_base, cfg, tmp_path / "r", keep_states=True)
     assert (tmp_path / "r" / "states-00001").is_dir()
+    assert not (tmp_path / "r" / "shard-00001.jsonl").exists()
+    monkeypatch.setattr(regen_mod, "write_text", real_write)
+    rows = regenerate(_rows(4), tiny_base, cfg, tmp_path / "r", keep_states=True)
+    assert rows == regenerate(_rows(4), tiny_base, cfg, tmp_path / "whole", keep_states=True)
     st = RegenStates(tmp_path / "r")
-    assert len(st) == len(rows) == 4  # each conversation's last regenerated turn
+    assert len(st) == len(rows) == 4  # each conversation's last regenerated turn, once
+    for a, b in zip(st.parts, RegenStates(tmp_path / "whole").parts, strict=True):
+        np.testing.assert_array_equal(a[0], b[0])  # the same tokens as an unbroken run
     H = tiny_base.hidden_size
     assert all(h.shape[1] == H for _, h in st.parts)
+    assert not list((tmp_path / "r").glob(".states-*"))  # no staging dir left behind
 
 
 def test_caching_takes_regenerations_states_in_prep(tmp_path, capsys):
@@ -506,10 +526,11 @@ def test_caching_takes_regenerations_states_in_prep(tmp_path, capsys):
             "data.long_conversations=truncate",
         ]
     )
-    prepare(cfg)
+    stats = prepare(cfg)
     taken = re.search(r"hidden states of (\d+) of (\d+) samples taken", capsys.readouterr().out)
     dd = datasets.load_from_disk(str(tmp_path / "o"))
     assert int(taken[2]) == len(dd["train"]) == 4 and int(taken[1]) >= 2
+    assert stats["cached_from_regeneration"] == int(taken[1])
     assert any(n == 70 for n in dd["train"]["length"])  # a sample cut at max_length took them too
     ref = cache_hidden_states(dd.remove_columns("hidden"), cfg.base, 4, "cpu", tmp_path / "w")
     for got, want in zip(dd["train"]["hidden"], ref["train"]["hidden"], strict=True):
@@ -522,5 +543,6 @@ def test_turning_keep_states_on_or_off_keeps_finished_shards(tmp_path, tiny_base
     cfg = regen_config(max_new_tokens=3, shard_size=2, keep_states=False, **SAMPLE)
     first = regenerate(_rows(2), tiny_base, cfg, tmp_path / "r")
     monkeypatch.setattr(regen_mod, "_regen_shard", lambda *a: pytest.fail("shard redone"))
-    again = regen_config(max_new_tokens=3, shard_size=2, keep_states=True, **SAMPLE)
-    assert regenerate(_rows(2), tiny_base, again, tmp_path / "r", keep_states=True) == first
+    on = regen_config(max_new_tokens=3, shard_size=2, keep_states=True, **SAMPLE)
+    assert regenerate(_rows(2), tiny_base, on, tmp_path / "r", keep_states=True) == first
+    assert regenerate(_rows(2), tiny_base, cfg, tmp_path / "r") == first  # and off again

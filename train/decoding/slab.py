@@ -19,6 +19,9 @@ and this strategy answers them, on the same KVCache and sampling rules:
   limit) it changes nothing (48 rows, within 2%), and dropping rows one at a time was 15%
   slower on 16 rows: on this CPU a matmul over 13 rows takes longer than over 16. It is there
   for longer replies, whose lengths vary more.
+- Its states, when asked (`tails`): the base's final hidden states over prompt, reply and the
+  chat template's tail, which a finished row is fed before it leaves, so that hidden-state
+  caching takes them instead of running the base over the same tokens again.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def _prefill(model, prompts, pad: int, capacity: int, states: bool = False):
         if kept is not None:
             h = h.float().cpu()
             for j, i in enumerate(g):  # left-padded: a prompt's tokens are its last columns
-                kept[i] = h[j, h.shape[1] - len(prompts[i]) :]
+                kept[i] = h[j, h.shape[1] - len(prompts[i]) :].clone()  # not the group's
     cache.end = width
     return cache, last, kept
 
@@ -141,6 +144,12 @@ def generate_left_padded(
     reply can differ from one generated without `tails` (greedy replies do not, up to float
     noise).
     """
+    if max_new_tokens <= 0:
+        return (
+            [[] for _ in prompts]
+            if tails is None
+            else ([[] for _ in prompts], [None] * len(prompts))
+        )
     device = model.device
     width = max(len(p) for p in prompts)
     capture = tails is not None
@@ -200,7 +209,7 @@ def generate_left_padded(
             h = h[:, 0].float().cpu()
             for b, (r, a) in enumerate(zip(owner.tolist(), active.tolist(), strict=True)):
                 if a and tails[r] is not None:
-                    fed_states[r].append(h[b])
+                    fed_states[r].append(h[b].clone())  # a view would keep the step's rows
         pos = pos + 1
         step += 1
     if not capture:
