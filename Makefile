@@ -55,7 +55,8 @@ sweep-demo: setup
 
 # The one-hour CPU recipe (conf/experiment/smollm2_cpu_1h.yaml), 2 threads: self-distilled prep
 # of ShareGPT's first 4,800 records in two parts, merged (3,872 first turns + hidden-state
-# cache: ~90 min on 2 EPYC cores), Hydra++ training (53 min there), then MT-Bench (24 questions,
+# cache, which takes regeneration's own states: ~50 min on 2 EPYC cores, ~90 before),
+# Hydra++ training (53 min there), then MT-Bench (24 questions,
 # both turns, 128 new tokens) on the 63-node tree and a chain, tree=auto's speed on 8 questions,
 # HumanEval (24 prompts) on the 63-node tree, and a report. Re-running resumes: a step whose
 # output exists is skipped (delete an eval's dir to run it again).

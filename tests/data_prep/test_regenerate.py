@@ -156,16 +156,12 @@ def test_regeneration_that_empties_every_reply_is_a_clear_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_regenerate_a_few_smollm2_conversations(tmp_path):
-    """The real base model answers in its own words (greedy, short)."""
+def _smollm2_prep(tmp_path, convs, *overrides):
+    """Prep of these conversations (each a tuple of (role, text)) by SmolLM2, regenerated
+    greedy with 12 new tokens a turn, all of them training samples."""
     data = tmp_path / "d.jsonl"
-    data.write_text(
-        "\n".join(
-            json.dumps(conv(("human", q), ("gpt", "ORIGINAL"), cid=f"s{i}"))
-            for i, q in enumerate(["What is the capital of France?", "Say hello in Spanish."])
-        )
-    )
-    cfg = prep_config(
+    data.write_text("\n".join(json.dumps(conv(*c, cid=f"s{i}")) for i, c in enumerate(convs)))
+    return prep_config(
         [
             f"data.path={data}",
             "data=jsonl",
@@ -173,8 +169,15 @@ def test_regenerate_a_few_smollm2_conversations(tmp_path):
             "data.val_fraction=0",
             "regenerate=true",
             "regen.max_new_tokens=12",
-        ]
+            *overrides,
+        ]  # fmt: skip
     )
+
+
+def test_regenerate_a_few_smollm2_conversations(tmp_path):
+    """The real base model answers in its own words (greedy, short)."""
+    qs = ["What is the capital of France?", "Say hello in Spanish."]
+    cfg = _smollm2_prep(tmp_path, [(("human", q), ("gpt", "ORIGINAL")) for q in qs])
     prepare(cfg)
     ds = datasets.load_from_disk(str(tmp_path / "o"))["train"]
     from train.core.base import load_tokenizer
@@ -502,29 +505,15 @@ def test_caching_takes_regenerations_states_in_prep(tmp_path, capsys):
     base's own, as caching alone computes them."""
     from data_prep.hidden import cache_hidden_states
 
-    data = tmp_path / "d.jsonl"
     qs = ["What is the capital of France?", "Name three colours.", "Say hello in Spanish.",
           "What is 2 + 2?"]  # fmt: skip
-    data.write_text(
-        "\n".join(
-            json.dumps(
-                conv(("human", q), ("gpt", "X"), ("human", "Why?"), ("gpt", "Y"), cid=f"s{i}")
-            )
-            for i, q in enumerate(qs)
-        )
-    )
-    cfg = prep_config(
-        [
-            f"data.path={data}",
-            "data=jsonl",
-            f"out={tmp_path / 'o'}",
-            "data.val_fraction=0",
-            "regenerate=true",
-            "regen.max_new_tokens=12",
-            "cache_hidden=true",
-            "data.max_length=70",
-            "data.long_conversations=truncate",
-        ]
+    turns = [(("human", q), ("gpt", "X"), ("human", "Why?"), ("gpt", "Y")) for q in qs]
+    cfg = _smollm2_prep(
+        tmp_path,
+        turns,
+        "cache_hidden=true",
+        "data.max_length=70",
+        "data.long_conversations=truncate",
     )
     stats = prepare(cfg)
     taken = re.search(r"hidden states of (\d+) of (\d+) samples taken", capsys.readouterr().out)
