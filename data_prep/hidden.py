@@ -140,53 +140,62 @@ class RegenStates:
 
     def __init__(self, regen_dir: Path, dtype: str | None = None):
         """Every shard's states under `regen_dir`; with `dtype`, only those the base computed
-        in that dtype (a run resumed with another `base.dtype` caches the older shards' samples
-        with the base)."""
-        self.root = Path(regen_dir)
+        in that dtype (restrict)."""
         self.parts: list[tuple[np.ndarray, np.ndarray]] = []
+        self.dtypes: list[str] = []  # each part's
         self.index: dict[bytes, list[tuple[int, int, int]]] = {}  # key -> (part, start, n)
         for d in sorted(Path(regen_dir).glob("states-*")):
             if not (d / "lengths.npy").is_file() or not (d / "meta.json").is_file():
                 continue  # not states written whole by this release
-            if dtype is not None and json.loads((d / "meta.json").read_text())["dtype"] != dtype:
-                continue
             ids = np.load(d / "ids.npy", mmap_mode="r")
             hidden = np.load(d / "hidden.npy", mmap_mode="r")
             part = len(self.parts)
             self.parts.append((ids, hidden))
+            self.dtypes.append(json.loads((d / "meta.json").read_text())["dtype"])
             start = 0
             for n in np.load(d / "lengths.npy").tolist():
                 key = _digest(ids[start : start + min(n, self.KEY)])
                 self.index.setdefault(key, []).append((part, start, n))
                 start += n
-        self.hidden_size = int(self.parts[0][1].shape[1]) if self.parts else None
         self.taken_samples = 0  # set by cache_hidden_states: every rank's samples that took them
+        if dtype is not None:
+            self.restrict(dtype)
+
+    @property
+    def hidden_size(self) -> int | None:
+        """The width of the states served (None: none)."""
+        used = {part for entries in self.index.values() for part, _, _ in entries}
+        return int(self.parts[min(used)][1].shape[1]) if used else None
 
     def restrict(self, dtype: str) -> None:
-        """Keep only the states computed in `dtype`."""
-        self.__init__(self.root, dtype)
+        """Serve only the states computed in `dtype` (a run resumed with another `base.dtype`
+        has the older shards' samples cached by the base)."""
+        self.index = {
+            key: kept
+            for key, entries in self.index.items()
+            if (kept := [e for e in entries if self.dtypes[e[0]] == dtype])
+        }
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.index.values())
 
-    def _find(self, ids) -> tuple[int, int] | None:
+    def find(self, ids) -> tuple[int, int] | None:
+        """Where the states of a sample of these tokens are: (part, start), or None."""
         ids = np.asarray(ids, dtype=np.int32)
         for part, start, n in self.index.get(_digest(ids[: self.KEY]), ()):
             if n >= len(ids) and np.array_equal(self.parts[part][0][start : start + len(ids)], ids):
                 return part, start
         return None
 
-    def covers(self, ids) -> bool:
-        """Whether a sample of these tokens has its states here."""
-        return self._find(ids) is not None
+    def states(self, hit: tuple[int, int], n: int) -> np.ndarray:
+        """The states (n, H) at `hit` (find's answer for a sample of n tokens)."""
+        part, start = hit
+        return np.asarray(self.parts[part][1][start : start + n])
 
     def lookup(self, ids) -> np.ndarray | None:
         """The states (len(ids), H) of a sample of these tokens, or None."""
-        hit = self._find(ids)
-        if hit is None:
-            return None
-        part, start = hit
-        return np.asarray(self.parts[part][1][start : start + len(ids)])
+        hit = self.find(ids)
+        return None if hit is None else self.states(hit, len(ids))
 
 
 def dtype_name(model) -> str:
@@ -287,7 +296,8 @@ def cache_hidden_states(
         regen.restrict(dtype_name(base.model))
         regen = None if aux_layers or regen.hidden_size not in (None, H) else regen
     # samples that take regeneration's states cost nothing: the shares count the others
-    taken = [_taken(regen, dd[split], idx) for split, _, idx in jobs]
+    hits = [_hits(regen, dd[split], idx) for split, _, idx in jobs]
+    taken = [np.asarray([h is not None for h in hs], dtype=bool) for hs in hits]
     if regen is not None:
         regen.taken_samples = int(sum(t.sum() for t in taken))
     costs = [
@@ -302,23 +312,26 @@ def cache_hidden_states(
             f"hidden-state chunks, {mine / max(sum(costs), 1):.1%} of the padded tokens"
         )
     todo = [
-        (split, c, idx, t)
-        for (split, c, idx), t, r in zip(jobs, taken, owner, strict=True)
+        (split, c, idx, hs, t)
+        for (split, c, idx), hs, t, r in zip(jobs, hits, taken, owner, strict=True)
         if r == ranks.rank and not (work / split / f"chunk-{c:05d}").is_dir()
     ]
     label = "caching hidden states" + (f" (rank {ranks.rank}/{ranks.world})" * (ranks.world > 1))
-    with tqdm(total=sum(len(idx) for _, _, idx, _ in todo), desc=label, unit="sample") as bar:
-        for split, c, idx, t in todo:
-            ids = dd[split].select(idx)["input_ids"]
-            rows: list = [(regen.lookup(ids[j]),) if t[j] else None for j in range(len(ids))]
+    with tqdm(total=sum(len(idx) for _, _, idx, _, _ in todo), desc=label, unit="sample") as bar:
+        for split, c, idx, hs, t in todo:
+            n = lengths[split][idx]  # each sample's tokens
+            rows: list = [
+                None if h is None else (regen.states(h, int(k)),)
+                for h, k in zip(hs, n, strict=True)
+            ]
             bar.update(int(t.sum()))
-            run = [j for j, r in enumerate(rows) if r is None]  # in length order, as before
+            run = np.flatnonzero(~t)  # in length order, as before
+            ids = dd[split].select(idx[run])["input_ids"]  # only the samples the base runs over
             for i in range(0, len(run), batch_size):
-                batch = run[i : i + batch_size]
-                got = _forward(base, [ids[j] for j in batch], device, aux_layers)
-                for j, r in zip(batch, got, strict=True):
+                got = _forward(base, ids[i : i + batch_size], device, aux_layers)
+                for j, r in zip(run[i : i + batch_size], got, strict=True):
                     rows[j] = r
-                bar.update(len(batch))
+                bar.update(len(got))
             (work / split).mkdir(parents=True, exist_ok=True)
             _save_chunk(work / split / f"chunk-{c:05d}", rows, H, aux_layers)
     if regen is not None:
@@ -335,11 +348,12 @@ def cache_hidden_states(
     return _assemble(dd, plan, work, H, aux_layers)
 
 
-def _taken(regen: RegenStates | None, ds, idx: np.ndarray) -> np.ndarray:
-    """Which samples of a chunk take regeneration's states (bool, in chunk order)."""
+def _hits(regen: RegenStates | None, ds, idx: np.ndarray) -> list[tuple[int, int] | None]:
+    """Where regeneration's states of each sample of a chunk are (RegenStates.find), in chunk
+    order: None for a sample the base runs over."""
     if regen is None or len(regen) == 0:
-        return np.zeros(len(idx), dtype=bool)
-    return np.asarray([regen.covers(x) for x in ds.select(idx)["input_ids"]], dtype=bool)
+        return [None] * len(idx)
+    return [regen.find(x) for x in ds.select(idx)["input_ids"]]
 
 
 def _wait_for_chunks(work: Path, plan: dict[str, list]) -> None:

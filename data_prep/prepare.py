@@ -707,7 +707,7 @@ def _regenerated(cfg: PrepConfig, rows, partial: Path, skips) -> list:
 
         base = load_base(cfg.base, device=_regen_device(cfg.regen.device))
         use_weight_layout(base.model, layout=cfg.regen.weight_layout, key="regen.weight_layout")
-    keep = cfg.cache_hidden and cfg.regen.keep_states and not cfg.cache_aux_layers
+    keep = _keeps_states(cfg)
     rows = regenerate(
         rows.to_list(), base, cfg.regen, partial / "regen", cfg.seed, skips, keep_states=keep
     )
@@ -912,13 +912,23 @@ def _cache_share(cfg: PrepConfig, partial: Path, ranks) -> dict[str, Any]:
     return {"rank": ranks.rank, "world": ranks.world, "seconds": time.perf_counter() - t0}
 
 
+def _keeps_states(cfg: PrepConfig) -> bool:
+    """Whether regeneration keeps its states for caching to take (regen.keep_states): with
+    cache_hidden=true, but not with cache_aux_layers (which the states do not hold)."""
+    return (
+        cfg.regenerate
+        and cfg.cache_hidden
+        and cfg.regen.keep_states
+        and not cfg.cache_aux_layers
+        and not cfg.prepared_sources()
+    )
+
+
 def _regen_states(cfg: PrepConfig, partial: Path):
-    """The states this prep's regeneration kept (regen.keep_states), for caching to take."""
+    """The states this prep's regeneration kept, for caching to take."""
     from data_prep.hidden import RegenStates
 
-    if not (cfg.regenerate and cfg.regen.keep_states) or cfg.prepared_sources():
-        return None
-    return RegenStates(partial / "regen")
+    return RegenStates(partial / "regen") if _keeps_states(cfg) else None
 
 
 def _regen_device(device: str) -> str:
