@@ -143,6 +143,9 @@ class RegenConfig(ConfigModel):
     # with cache_hidden=true: save the base's hidden states as regeneration computes them, and
     # let caching take them instead of running the base over those samples again
     keep_states: bool
+    # the local base: a regenerated conversation's sample is the token ids its last turn ran
+    # over (the reply as generated) rather than its text tokenized anew (see conf/prep.yaml)
+    token_ids: bool
     # local: the base runs in this process | openai: an OpenAI-compatible chat-completions
     # server (vLLM, SGLang, TGI, llama.cpp) serving the same base
     backend: Literal["local", "openai"]

@@ -34,7 +34,13 @@ from data_prep.normalize import (
     unpack_messages,
 )
 from data_prep.spool import BATCH_ROWS, column_array, iter_batches, spool
-from data_prep.template import TemplateError, chunk, encode_batch, mask_method
+from data_prep.template import (
+    TemplateError,
+    chunk,
+    encode_batch,
+    generated_encoding,
+    mask_method,
+)
 from train.core.atomic import publish_dir, staged_dir, write_json, write_text
 from train.core.errors import UserError
 from train.core.readers import DEFAULT_ROLE_MAP, DataError, SkipLog, iter_records
@@ -337,10 +343,23 @@ def _tokenize_batch(batch: dict[str, list], tokenizer, cfg: dict) -> dict[str, l
         method=cfg["mask_method"],
     )
     out: dict[str, list] = {k: [] for k in _features()}  # one list per column
-    for cid, key, enc in zip(batch["conv_id"], batch["key"], encoded, strict=True):
+    n_rows = len(batch["roles"])
+    gen_ids = batch.get("token_ids") if cfg.get("token_ids") else None
+    gen_ids = gen_ids or [None] * n_rows
+    reply_at = batch.get("reply_at") or [None] * n_rows
+    for cid, key, enc, ids_, at in zip(
+        batch["conv_id"], batch["key"], encoded, gen_ids, reply_at, strict=True
+    ):
         split = "validation" if _is_validation(key, cfg["seed"], cfg["val_fraction"]) else "train"
+        ids_from = ""  # "generated": regen.token_ids' sample; text:<why> where it fell back
+        if ids_ and not isinstance(enc, TemplateError):
+            got = generated_encoding(enc, list(ids_), list(at))
+            ids_from = "text:" + got if isinstance(got, str) else "generated"
+            enc = enc if isinstance(got, str) else got
+        elif cfg.get("token_ids") and "token_ids" in batch and not isinstance(enc, TemplateError):
+            ids_from = "text:none"  # a server's reply, or none recorded (regenerate.py)
 
-        def emit(ids, mask, reason, n_conv, piece, detail="", cid=cid, split=split):
+        def emit(ids, mask, reason, n_conv, piece, detail="", cid=cid, split=split, f=ids_from):
             out["conv_id"].append(cid)
             # numpy rows: Arrow converts them far faster than Python lists of ints
             out["input_ids"].append(np.asarray(ids, dtype=np.int32))
@@ -352,6 +371,7 @@ def _tokenize_batch(batch: dict[str, list], tokenizer, cfg: dict) -> dict[str, l
             out["split"].append(split)
             out["skip_reason"].append(reason)
             out["skip_detail"].append(detail)
+            out["ids_from"].append(f)
 
         if isinstance(enc, TemplateError):
             emit([], [], "template_error", 0, 0, detail=str(enc))
@@ -384,7 +404,7 @@ def _features(final: bool = False):
     if final:
         return Features({**cols, "seq_lens": Sequence(i32)})
     cols |= {"conv_tokens": i32, "piece": i32, "split": text}
-    return Features({**cols, "skip_reason": text, "skip_detail": text})
+    return Features({**cols, "skip_reason": text, "skip_detail": text, "ids_from": text})
 
 
 def pack_samples(part, max_length: int, seed: int) -> Iterator[dict]:
@@ -500,6 +520,7 @@ def tokenize(rows, tokenizer, cfg: PrepConfig, work: Path | None = None):
     work.mkdir(parents=True, exist_ok=True)
     map_cfg = {**cfg.data.model_dump(), "seed": cfg.seed}  # plain values: pickled to workers
     map_cfg["mask_method"] = mask_method(tokenizer, tuple(cfg.data.loss_roles))
+    map_cfg["token_ids"] = cfg.regenerate and cfg.regen.token_ids
     tok = raw.map(
         _tokenize_batch,
         batched=True,
@@ -957,6 +978,18 @@ def _split_stats(dd) -> tuple[dict[str, dict], int]:
     return per_split, max_id
 
 
+def _ids_stats(kept) -> dict[str, Any]:
+    """regen.token_ids: how many kept conversations are the tokens their last regenerated turn
+    ran over, and how many kept their text's tokens, by reason (template.generated_encoding;
+    none: no ids were recorded, from a server, a shard written before they were, or a template
+    that renders the history otherwise once a reply follows)."""
+    got: Counter = Counter()
+    for b in iter_batches(kept, ["piece", "ids_from"]):
+        got.update(f for p, f in zip(b["piece"], b["ids_from"], strict=True) if p == 0)
+    text = {k.removeprefix("text:"): n for k, n in sorted(got.items()) if k.startswith("text:")}
+    return {"generated": got.get("generated", 0), "text": text}
+
+
 def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths, tokenizer) -> dict:
     from train.core.base import tokenizer_fingerprint
 
@@ -981,6 +1014,7 @@ def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths, tokenizer) ->
         "long_conversations": cfg.data.long_conversations,
         "packed": cfg.data.pack,
         "regenerated": cfg.regenerate,
+        **({"regen_token_ids": _ids_stats(kept)} if cfg.regenerate and cfg.regen.token_ids else {}),
         # how loss_mask was found: the template's {% generation %} blocks, or rendered spans
         "mask_method": mask_method(tokenizer, tuple(cfg.data.loss_roles)),
         "reasoning": cfg.data.reasoning,

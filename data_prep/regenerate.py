@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from jinja2 import TemplateError as JinjaTemplateError
 
 from data_prep.config import RegenConfig, RegenError
 from data_prep.hidden import dtype_name, save_regen_states
@@ -131,7 +132,10 @@ def reply_tail(tokenizer, history: list[dict], prompt: list[int]) -> list[int] |
     does not render a reply as the prompt, then the reply's own tokens, then the tail (one
     that rewrites the history once a reply follows, say): that turn's states are not kept."""
     probe = "Hello"
-    ids = _template_ids(tokenizer, [*history, {"role": "assistant", "content": probe}], False)
+    try:
+        ids = _template_ids(tokenizer, [*history, {"role": "assistant", "content": probe}], False)
+    except JinjaTemplateError:  # a template that refuses this history followed by a reply
+        return None
     probe_ids = tokenizer(probe, add_special_tokens=False)["input_ids"]
     n, k = len(prompt), len(probe_ids)
     if ids[:n] != prompt or ids[n : n + k] != probe_ids:
@@ -139,10 +143,12 @@ def reply_tail(tokenizer, history: list[dict], prompt: list[int]) -> list[int] |
     return ids[n + k :]
 
 
-# How a server's replies are fetched, not what they are, and whether the states are kept (a
-# shard without them has its samples cached by the base): changing these keeps finished shards.
+# How a server's replies are fetched, not what they are, whether the states are kept (a
+# shard without them has its samples cached by the base) and which tokens the samples take
+# (tokenizing reads it): changing these keeps finished shards.
 _OPERATIONAL = (
-    "url", "concurrency", "timeout_s", "retries", "backoff_s", "api_key_env", "keep_states"
+    "url", "concurrency", "timeout_s", "retries", "backoff_s", "api_key_env", "keep_states",
+    "token_ids",
 )  # fmt: skip
 
 
@@ -222,8 +228,9 @@ def _template_ids(tokenizer, msgs: list[dict], opener: bool) -> list[int]:
 
 def _replies(base, group: list[dict], prompts, step: int, cfg: RegenConfig, progress, tails):
     """This turn step's replies, (text or None, why not, the states over prompt + reply + tail
-    or None), from the base in this process or from the OpenAI-compatible server (which gets
-    the chat so far and applies the template; no states)."""
+    or None, the reply's token ids or None), from the base in this process or from the
+    OpenAI-compatible server (which gets the chat so far and applies the template; no states,
+    no token ids)."""
     if not prompts:
         return []
     if cfg.backend == "openai":
@@ -233,7 +240,7 @@ def _replies(base, group: list[dict], prompts, step: int, cfg: RegenConfig, prog
             len(base.tokenizer(t, add_special_tokens=False)["input_ids"]) for t, _ in out if t
         )
         progress.batch(len(group), tokens, time.perf_counter() - t0)
-        return [(t, why, None) for t, why in out]
+        return [(t, why, None, None) for t, why in out]
     ids, states = generate(base, prompts, cfg, progress.batch, tails)
     out = []
     for p, x, st, tail in zip(prompts, ids, states, tails or [None] * len(ids), strict=True):
@@ -241,7 +248,7 @@ def _replies(base, group: list[dict], prompts, step: int, cfg: RegenConfig, prog
         kept = None
         if st is not None:  # the tokens those states are of: the sample's, if it renders so
             kept = (np.asarray(p + x + tail, dtype=np.int32), st)
-        out.append((text, "", kept))
+        out.append((text, "", kept, x))
     return out
 
 
@@ -250,14 +257,22 @@ def _regen_shard(
 ) -> tuple[list[dict], list[tuple[str, np.ndarray, np.ndarray]]]:
     """Regenerate every assistant turn of `rows`, turn by turn, batching across conversations.
     Returns the rows and (keep_states) each conversation's (key, token ids, hidden states) of
-    its last regenerated turn: the whole conversation as the template renders it."""
+    its last regenerated turn: the whole conversation as the template renders it.
+
+    Each row from the local base also records the token ids its last regenerated turn ran
+    over, `token_ids` (prompt + the reply as generated + the template's tail), with the
+    reply's [start, end) in `reply_at`: the sample `regen.token_ids` trains on. The prompt
+    holds the earlier replies as the template renders their text, as a chat server is fed
+    them back. Both are empty from a server, or where reply_tail finds the template renders
+    the history otherwise once a reply follows."""
     tok = base.tokenizer
     limit = getattr(base.config, "max_position_embeddings", None)
     if limit is not None:
         limit -= cfg.max_new_tokens  # the reply must fit in the context too
     if cfg.max_prompt_tokens is not None:
         limit = cfg.max_prompt_tokens if limit is None else min(limit, cfg.max_prompt_tokens)
-    keep_states = keep_states and cfg.backend == "local"
+    local = cfg.backend == "local"
+    keep_states = keep_states and local
     convs = []
     for r in rows:
         msgs = _messages(r)
@@ -278,10 +293,10 @@ def _regen_shard(
                 continue
             group.append(c)
             prompts.append(p)
-            if keep_states:
+            if local:
                 tails.append(reply_tail(tok, c["msgs"][:idx], p))
         texts = _replies(base, group, prompts, step, cfg, progress, tails if keep_states else None)
-        for c, (text, why, kept) in zip(group, texts, strict=True):
+        for i, (c, (text, why, kept, x)) in enumerate(zip(group, texts, strict=True)):
             idx = c["turns"][step]
             reply = (text or "").strip()
             if not reply:
@@ -291,6 +306,12 @@ def _regen_shard(
             c["msgs"][idx] = {"role": "assistant", "content": reply}
             c["done"] += 1
             c["kept"] = kept  # the last regenerated turn's states cover the earlier turns'
+            tail, p = tails[i] if local else None, prompts[i]
+            # the tokens this turn ran over; its prompt holds the earlier replies as text
+            if x is None or tail is None:
+                c["ids"] = None
+            else:
+                c["ids"] = (p + x + tail, len(p), len(p) + len(x))
         step += 1
     out, kept = [], []
     for c in convs:
@@ -307,6 +328,8 @@ def _regen_shard(
                 "extras": pack_extras(msgs),  # the history's tool calls and reasoning
                 "regenerated_turns": c["done"],
                 "stop": c["stop"],
+                "token_ids": c["ids"][0] if c.get("ids") else [],
+                "reply_at": list(c["ids"][1:]) if c.get("ids") else [],
             }
         )
         if c.get("kept") is not None:
@@ -385,7 +408,18 @@ def regenerate(
             continue
         r.pop("regenerated_turns", None)
         r.pop("stop", None)
+        r.setdefault("token_ids", [])  # a shard written before they were recorded
+        r.setdefault("reply_at", [])
         kept.append(r)
+    no_ids = sum(not r["token_ids"] for r in kept)
+    if no_ids and cfg.backend == "local":
+        log.warning(
+            "%d of %d regenerated conversations have no recorded token ids (shards written "
+            "before they were, or a template that renders the history otherwise once a reply "
+            "follows): with regen.token_ids their samples take their text's tokens",
+            no_ids,
+            len(kept),
+        )
     if cut and skips is not None:  # kept, with the turns before the one that failed
         skips.warn(
             f"regeneration cut {sum(cut.values())} conversation(s) short before a turn: "

@@ -437,6 +437,32 @@ def encode_batch(
     return out
 
 
+def generated_encoding(enc: Encoded, ids: list[int], reply_at: list[int]) -> Encoded | str:
+    """The sample of a regenerated conversation as the base ran it: `ids`, its last turn's
+    prompt + the reply's token ids as generated (`ids[start:end]`, reply_at = [start, end]) +
+    the template's tail, with `enc`'s loss mask (the conversation's text tokenized) on the
+    prompt and tail, and on the reply the mask the text's reply has.
+
+    Where the two cannot be lined up, the reason instead: `prompt` (the text's tokens do not
+    start with the prompt), `tail` (nor end with the tail), `mask` (the text's reply is partly
+    masked, e.g. reasoning=mask masks its think block: which generated tokens that covers is
+    not known)."""
+    start, end = reply_at
+    tail = ids[end:]
+    n = len(enc.input_ids)
+    if n < start + len(tail) or enc.input_ids[:start] != ids[:start]:
+        return "prompt"
+    if tail and enc.input_ids[n - len(tail) :] != tail:
+        return "tail"
+    reply_mask = set(enc.loss_mask[start : n - len(tail)])
+    if len(reply_mask) > 1:
+        return "mask"
+    fill = reply_mask.pop() if reply_mask else 1
+    mask = enc.loss_mask[:start] + [fill] * (end - start) + enc.loss_mask[n - len(tail) :]
+    starts = [t for t in enc.turn_starts if t is not None and t <= start]
+    return Encoded(list(ids), mask, starts)
+
+
 class _Slow:
     """ids + offsets from a tokenizer without a Rust backend, shaped like a tokenizers Encoding."""
 

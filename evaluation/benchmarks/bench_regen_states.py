@@ -1,17 +1,21 @@
 """Regeneration then caching: caching running the base again, against caching taking the states
-regeneration computed (`regen.keep_states`), on SmolLM2.
+regeneration computed (`regen.keep_states`), on SmolLM2; and which samples the states cover
+when the samples are the replies' text tokenized anew instead of the tokens the base generated
+(`regen.token_ids=false`).
 
 Usage: python evaluation/benchmarks/bench_regen_states.py [--conversations 200] [--turns 1]
        [--max-new-tokens 128] [--max-prompt-tokens 384] [--max-length 512] [--threads 2]
        [--out DIR]
 
 Runs the real `hydra-heads prep regenerate=true cache_hidden=true` (the one-hour recipe's
-regeneration options by default) on the first bundled ShareGPT conversations twice, one run after
-the other on an otherwise idle machine, `regen.keep_states=false` then `true`, and prints each
-run's regeneration, caching and whole prep time (prep_timing.json), the whole prep's speedup,
-how many samples took regeneration's states, how many samples the two datasets share token for
-token, and the largest difference between the two runs' cached states over those samples
-(float16 rounding of the same float32 arithmetic, batched otherwise).
+regeneration options by default) on the first bundled ShareGPT conversations three times, one
+run after the other on an otherwise idle machine: `regen.keep_states=false`, then `true` with
+`regen.token_ids=false` (the text's tokens), then both `true` (prep's defaults). It prints each
+run's regeneration, caching and whole prep time (prep_timing.json), how many samples took
+regeneration's states, the first run's time over the last's, how many samples the first and
+last datasets share token for token and the largest difference between their cached states
+over those samples (float16 rounding of the same float32 arithmetic, batched otherwise), and
+how many of the last run's samples the text's tokens differ from.
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ from pathlib import Path
 CLI = str(Path(sys.executable).parent / "hydra-heads")
 
 
-def _prep(out: Path, args, keep: bool) -> dict:
+def _prep(out: Path, args, keep: bool, token_ids: bool = True) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
     cmd = [CLI, "prep", f"data.max_conversations={args.conversations}", "regenerate=true",
            f"regen.max_turns={args.turns}", f"regen.max_new_tokens={args.max_new_tokens}",
            f"regen.max_prompt_tokens={args.max_prompt_tokens}",
            f"data.max_length={args.max_length}", "cache_hidden=true",
-           f"regen.keep_states={str(keep).lower()}", f"out={out}", "overwrite=true"]  # fmt: skip
+           f"regen.keep_states={str(keep).lower()}", f"regen.token_ids={str(token_ids).lower()}",
+           f"out={out}", "overwrite=true"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"prep failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
@@ -85,10 +90,15 @@ def main() -> None:
     root = Path(args.out or tempfile.mkdtemp(prefix="bench_regen_states-"))
     runs = {
         "caching runs the base (keep_states=false)": _prep(root / "apart", args, False),
-        "caching takes regeneration's states (true)": _prep(root / "kept", args, True),
+        "takes the states, the text's tokens (token_ids=false)": _prep(
+            root / "text", args, True, token_ids=False
+        ),
+        "takes the states, the generated tokens (both true)": _prep(root / "kept", args, True),
     }
     a, b = load_from_disk(str(root / "apart")), load_from_disk(str(root / "kept"))
     n, same, worst = _compare(a, b)
+    text = load_from_disk(str(root / "text"))
+    n_text, same_text, _ = _compare(b, text)
     t = Table(
         title=f"prep regenerate + cache_hidden: {args.conversations} conversations, "
         f"{args.turns} turn(s) x {args.max_new_tokens} tokens, SmolLM2, {args.threads} threads"
@@ -100,11 +110,12 @@ def main() -> None:
         t.add_row(name, *row)
     console = Console()
     console.print(t)
-    apart, kept = runs.values()
+    apart, _, kept = runs.values()
     console.print(
         f"prep {apart['total'] / kept['total']:.2f}x faster, caching "
-        f"{apart['cache'] / kept['cache']:.1f}x; {same} of {n} samples the same tokens in both, "
-        f"their states at most {worst:.4g} apart"
+        f"{apart['cache'] / kept['cache']:.1f}x; {same} of {n} samples the same tokens in the "
+        f"first and last runs, their states at most {worst:.4g} apart; the text's tokens differ "
+        f"from the generated ones in {n_text - same_text} of {n_text} samples"
     )
 
 

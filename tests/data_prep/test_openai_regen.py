@@ -104,6 +104,8 @@ def test_openai_regen_is_concurrent_and_resumes_after_a_kill_to_the_same_bytes(t
     replies = _replies(ref)
     assert len(replies) == 8 and not any("ORIGINAL" in t for t in replies.values())
     assert all(t.endswith("<|im_end|>") and len(t) > len("<|im_end|>") for t in replies.values())
+    st = json.loads((ref / "prep_stats.json").read_text())
+    assert st["regen_token_ids"] == {"generated": 0, "text": {"none": 8}}  # a server: text only
     with server(tmp_path) as (url, _):
         out = tmp_path / "resumed"
         proc = subprocess.Popen(

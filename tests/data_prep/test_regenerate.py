@@ -500,9 +500,9 @@ def test_a_killed_run_keeps_the_states_of_the_shards_it_wrote(tmp_path, tiny_bas
 
 
 def test_caching_takes_regenerations_states_in_prep(tmp_path, capsys):
-    """SmolLM2 answers two turns of a few conversations; caching takes regeneration's states
-    for the samples whose tokens are those it generated, and every sample's states are the
-    base's own, as caching alone computes them."""
+    """SmolLM2 answers two turns of a few conversations; each sample is the tokens its last
+    turn ran over (regen.token_ids), so caching takes regeneration's states for every one,
+    and every sample's states are the base's own, as caching alone computes them."""
     from data_prep.hidden import cache_hidden_states
 
     qs = ["What is the capital of France?", "Name three colours.", "Say hello in Spanish.",
@@ -518,8 +518,9 @@ def test_caching_takes_regenerations_states_in_prep(tmp_path, capsys):
     stats = prepare(cfg)
     taken = re.search(r"hidden states of (\d+) of (\d+) samples taken", capsys.readouterr().out)
     dd = datasets.load_from_disk(str(tmp_path / "o"))
-    assert int(taken[2]) == len(dd["train"]) == 4 and int(taken[1]) >= 2
-    assert stats["cached_from_regeneration"] == int(taken[1])
+    assert int(taken[1]) == int(taken[2]) == len(dd["train"]) == 4
+    assert stats["cached_from_regeneration"] == 4
+    assert stats["regen_token_ids"] == {"generated": 4, "text": {}}
     assert any(n == 70 for n in dd["train"]["length"])  # a sample cut at max_length took them too
     ref = cache_hidden_states(dd.remove_columns("hidden"), cfg.base, 4, "cpu", tmp_path / "w")
     for got, want in zip(dd["train"]["hidden"], ref["train"]["hidden"], strict=True):
@@ -535,3 +536,121 @@ def test_turning_keep_states_on_or_off_keeps_finished_shards(tmp_path, tiny_base
     on = regen_config(max_new_tokens=3, shard_size=2, keep_states=True, **SAMPLE)
     assert regenerate(_rows(2), tiny_base, on, tmp_path / "r", keep_states=True) == first
     assert regenerate(_rows(2), tiny_base, cfg, tmp_path / "r") == first  # and off again
+
+
+# ---- regen.token_ids: a regenerated sample is the tokens the base ran over -----------------
+
+
+def test_generated_encoding_lines_the_reply_up_with_the_texts_mask():
+    from data_prep.template import Encoded, generated_encoding
+
+    # the text: prompt 1 2 3 | reply 10 11 (its text tokenized) | tail 20 21
+    enc = Encoded([1, 2, 3, 10, 11, 20, 21], [0, 0, 1, 1, 1, 1, 0], [2])
+    got = generated_encoding(enc, [1, 2, 3, 12, 13, 14, 20, 21], [3, 6])
+    assert got.input_ids == [1, 2, 3, 12, 13, 14, 20, 21]
+    assert got.loss_mask == [0, 0, 1, 1, 1, 1, 1, 0]  # prompt's and tail's from the text
+    assert got.turn_starts == [2]
+    assert generated_encoding(enc, [9, 2, 3, 12, 20, 21], [3, 4]) == "prompt"
+    assert generated_encoding(enc, [1, 2, 3, 12, 20, 22], [3, 4]) == "tail"
+    masked = Encoded(enc.input_ids, [0, 0, 1, 0, 1, 1, 0], [])  # a reply partly masked
+    assert generated_encoding(masked, [1, 2, 3, 12, 20, 21], [3, 4]) == "mask"
+    no_loss = Encoded(enc.input_ids, [0] * 7, [])  # the reply's role carries no loss
+    assert generated_encoding(no_loss, [1, 2, 3, 12, 20, 21], [3, 4]).loss_mask == [0] * 6
+    bare = Encoded([1, 2, 3, 10, 11], [0, 0, 0, 1, 1], [])  # a template with no tail
+    got = generated_encoding(bare, [1, 2, 3, 12, 13, 14], [3, 6])
+    assert got.loss_mask == [0, 0, 0, 1, 1, 1]
+
+
+def test_token_ids_are_what_the_last_regenerated_turn_ran_over(tmp_path, tiny_base):
+    """Its prompt (the earlier replies as their text renders), the reply, the tail; a
+    conversation cut short before its second turn records its first."""
+    from data_prep.regenerate import reply_tail, turn_prompt
+
+    rows = _rows(2)
+    rows[0]["contents"][2] = "long " * 40  # its second prompt is over the limit
+    cfg = regen_config(max_new_tokens=5, max_prompt_tokens=100, **SAMPLE)
+    out = regenerate(rows, tiny_base, cfg, tmp_path / "r")
+    tok = tiny_base.tokenizer
+    assert [len(r["roles"]) for r in out] == [2, 4]
+    for r in out:
+        msgs = [{"role": a, "content": b} for a, b in zip(r["roles"], r["contents"], strict=True)]
+        ids, (start, end) = r["token_ids"], r["reply_at"]
+        prompt = turn_prompt(tok, msgs[:-1])
+        assert ids[:start] == prompt and 0 < end - start <= 5
+        assert ids[end:] == reply_tail(tok, msgs[:-1], prompt)
+        assert tok.decode(ids[start:end], skip_special_tokens=True).strip() == msgs[-1]["content"]
+
+
+def _tiny_regen_prep(tmp_path, name, *overrides):
+    data = tmp_path / "d.jsonl"
+    turns = (("human", "hello"), ("gpt", "ORIGINAL"), ("human", "more"), ("gpt", "ORIGINAL"))
+    data.write_text("\n".join(json.dumps(conv(*turns, cid=f"c{i}")) for i in range(6)))
+    cfg = prep_config(
+        [
+            "base=tiny_random",
+            "data=jsonl",
+            f"data.path={data}",
+            f"out={tmp_path / name}",
+            "data.val_fraction=0",
+            "regenerate=true",
+            "regen.max_new_tokens=8",
+            "regen.shard_size=4",
+            "regen.temperature=1.0",
+            *overrides,
+        ]
+    )
+    stats = prepare(cfg)
+    return stats, datasets.load_from_disk(str(tmp_path / name))["train"]
+
+
+def test_regenerated_samples_are_the_tokens_the_base_generated(tmp_path, monkeypatch):
+    """The tiny model samples arbitrary tokens, whose decoded text tokenizes otherwise: with
+    regen.token_ids the samples are the generated tokens (the replies are the same, the draws
+    seeded per shard), without it the text's."""
+    import data_prep.regenerate as regen_mod
+
+    recorded = {}
+    real = regen_mod._regen_shard
+
+    def spy(rows, *a, **k):
+        out, kept = real(rows, *a, **k)
+        recorded.update({r["conv_id"]: r for r in out})
+        return out, kept
+
+    monkeypatch.setattr(regen_mod, "_regen_shard", spy)
+    stats, ids = _tiny_regen_prep(tmp_path, "ids")
+    _, text = _tiny_regen_prep(tmp_path, "text", "regen.token_ids=false")
+    assert stats["regen_token_ids"] == {"generated": len(ids), "text": {}}
+    assert len(ids) == len(text) == len(recorded)
+    differ = 0
+    for a, b in zip(ids, text, strict=True):
+        r = recorded[a["conv_id"]]
+        start, end = r["reply_at"]
+        assert a["input_ids"] == r["token_ids"]  # prompt + the reply as generated + tail
+        assert len(a["loss_mask"]) == len(a["input_ids"]) and all(a["loss_mask"][start:end])
+        assert b["input_ids"][:start] == a["input_ids"][:start]  # the same prompt
+        assert a["loss_mask"][:start] == b["loss_mask"][:start]  # and mask, and tail's mask
+        assert (
+            a["loss_mask"][end:]
+            == b["loss_mask"][len(b["input_ids"]) - len(a["input_ids"]) + end :]
+        )
+        differ += a["input_ids"] != b["input_ids"]
+    assert differ  # some reply's text tokenizes otherwise than it was generated
+
+
+def test_a_server_or_older_shard_without_token_ids_keeps_the_texts_tokens(tmp_path, monkeypatch):
+    import data_prep.regenerate as regen_mod
+
+    real = regen_mod._regen_shard
+
+    def without_ids(rows, *a, **k):
+        out, kept = real(rows, *a, **k)
+        for r in out:
+            del r["token_ids"], r["reply_at"]  # as a shard written before they were recorded
+        return out, kept
+
+    monkeypatch.setattr(regen_mod, "_regen_shard", without_ids)
+    stats, ids = _tiny_regen_prep(tmp_path, "old")
+    _, text = _tiny_regen_prep(tmp_path, "text", "regen.token_ids=false")
+    assert stats["regen_token_ids"] == {"generated": 0, "text": {"none": len(ids)}}
+    assert ids["input_ids"] == text["input_ids"]
