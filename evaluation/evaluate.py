@@ -80,7 +80,18 @@ def fixed_tree(
                         f"tokens: use tree.{name}.depth <= {limit} or null"
                     )
             spec = by_temperature(temperature, tc.budget, cold, hot, tc.hot_at, depth)
-        spec.levels(depth, limit)
+        grown = spec.candidates(spec.levels(depth, limit))
+        if grown < spec.budget:
+            log.warning(
+                "tree.budget=%d but a dynamic tree of expand=%d width=%d over %d levels grows "
+                "only %d draft nodes, so every step verifies at most those; raise "
+                "tree.expand / tree.width (docs/eval.md: budget 63 with 10 and 10)",
+                spec.budget,
+                spec.expand,
+                spec.width,
+                spec.levels(depth, limit),
+                grown,
+            )
         return spec
     if tc.kind == "preset":
         return Tree.from_paths(preset_paths(tc.name, depth), limit)

@@ -91,3 +91,28 @@ def test_bad_dynamic_trees_fail_clearly(tiny_base):
 def test_temperature_tree_goes_from_deep_and_narrow_to_broad_and_shallow(temperature, expected):
     cold, hot = Shape(expand=2, width=3, depth=None), Shape(expand=4, width=8, depth=2)
     assert by_temperature(temperature, 15, cold, hot, 1.0, num_heads=4) == expected
+
+
+def test_a_budget_the_shape_cannot_fill_is_flagged(tiny_base, caplog):
+    """candidates() counts what the depths grow (a budget past it keeps them all), and eval
+    warns when the budget is more than that."""
+    from evaluation.config import DynamicTreeConfig
+    from evaluation.evaluate import fixed_tree
+
+    heads = make_heads(tiny_base.model, "hydra", 4, 0.3, None)
+    embed = tiny_base.model.get_input_embeddings()
+    ctx = heads.context(torch.randn(1, 5, 64))[:, -1]
+    for expand, width, levels in [(4, 4, 4), (2, 3, 3), (10, 10, 1), (1, 5, 4)]:
+        spec = DynamicTree(budget=10_000, expand=expand, width=width, depth=levels)
+        tree, _ = grow_dynamic(spec, heads, embed, ctx, torch.tensor([7]))[0]
+        assert tree.num_nodes - 1 == spec.candidates(levels)
+    assert DynamicTree(63, 4, 4).candidates(4) == 52  # 4 + 3 x 16
+    tc = DynamicTreeConfig(kind="dynamic", budget=63, expand=4, width=4, depth=None)
+    with caplog.at_level("WARNING"):
+        fixed_tree(tc, 4, 4)
+    assert "grows only 52 draft nodes" in caplog.text
+    caplog.clear()
+    tc = DynamicTreeConfig(kind="dynamic", budget=63, expand=10, width=10, depth=None)
+    with caplog.at_level("WARNING"):
+        fixed_tree(tc, 4, 4)
+    assert caplog.text == ""

@@ -52,6 +52,15 @@ class DynamicTree:
             )
         return self.depth or draft_depth
 
+    def candidates(self, levels: int) -> int:
+        """How many draft nodes `levels` depths grow in all, the most the budget can keep:
+        `width` children of the root, then of the `expand` best of each depth's nodes."""
+        total, frontier = 0, 1
+        for _ in range(levels):
+            total += frontier * self.width
+            frontier = min(self.expand, frontier * self.width)
+        return total
+
     @property
     def max_nodes(self) -> int:
         """Tokens in one verify pass at most: the root and the budget."""
