@@ -57,7 +57,7 @@ sweep-demo: setup
 # of ShareGPT's first 4,800 records in two parts, merged (3,872 first turns + hidden-state
 # cache, which takes regeneration's own states: ~50 min on 2 EPYC cores, ~90 before),
 # Hydra++ training (53 min there), then MT-Bench (24 questions,
-# both turns, 128 new tokens) on the 63-node tree and a chain, tree=auto's speed on 8 questions,
+# both turns, 128 new tokens) on the 63-node tree, a dynamic tree of 63 nodes and a chain, tree=auto's speed on 8 questions,
 # HumanEval (24 prompts) on the 63-node tree, and a report. Re-running resumes: a step whose
 # output exists is skipped (delete an eval's dir to run it again).
 RECIPE ?= runs/cpu_1h
@@ -72,10 +72,11 @@ recipe-1h: setup
 	test -f $(RECIPE)/data_both/dataset_dict.json || $(BIN)/hydra-heads prep 'from_prepared=[$(RECIPE)/data,$(RECIPE)/data2]' out=$(RECIPE)/data_both
 	OMP_NUM_THREADS=2 $(BIN)/hydra-heads train experiment=smollm2_cpu_1h data.prepared=$(RECIPE)/data_both out=$(RECIPE)/train resume=auto
 	$(call KEPT,$(RECIPE)/mt_bench_tree63) || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_tree63 overwrite=true $(EVAL_MT) eval.num_prompts=24 tree=mc_sim_7b_63 eval.compare_plain=false
+	$(call KEPT,$(RECIPE)/mt_bench_dyn63) || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_dyn63 overwrite=true $(EVAL_MT) eval.num_prompts=24 tree=dynamic tree.budget=63 tree.expand=10 tree.width=10 eval.compare_plain=false
 	$(call KEPT,$(RECIPE)/mt_bench_chain) || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_chain overwrite=true $(EVAL_MT) eval.num_prompts=24 tree=chain eval.compare_plain=false
 	$(call KEPT,$(RECIPE)/mt_bench_auto) || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/mt_bench_auto overwrite=true $(EVAL_MT) eval.num_prompts=8 tree.budget=32
 	$(call KEPT,$(RECIPE)/humaneval_tree63) || OMP_NUM_THREADS=2 $(BIN)/hydra-heads eval heads=$(RECIPE)/train/heads out=$(RECIPE)/humaneval_tree63 overwrite=true eval.suite=humaneval eval.num_prompts=24 eval.max_new_tokens=128 eval.threads=2 tree=mc_sim_7b_63 eval.compare_plain=false
-	$(BIN)/hydra-heads report runs=[$(RECIPE)/mt_bench_tree63,$(RECIPE)/mt_bench_chain,$(RECIPE)/mt_bench_auto,$(RECIPE)/humaneval_tree63] out=$(RECIPE)/report
+	$(BIN)/hydra-heads report runs=[$(RECIPE)/mt_bench_tree63,$(RECIPE)/mt_bench_dyn63,$(RECIPE)/mt_bench_chain,$(RECIPE)/mt_bench_auto,$(RECIPE)/humaneval_tree63] out=$(RECIPE)/report
 
 lint: setup
 	$(BIN)/ruff check .
