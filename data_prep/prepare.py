@@ -934,8 +934,9 @@ def _cache_share(cfg: PrepConfig, partial: Path, ranks) -> dict[str, Any]:
 
 
 def _keeps_states(cfg: PrepConfig) -> bool:
-    """Whether regeneration keeps its states for caching to take (regen.keep_states): with
-    cache_hidden=true, but not with cache_aux_layers (which the states do not hold)."""
+    """Whether regeneration keeps its states for caching to take (regen.keep_states): a prep
+    that regenerates (not from_prepared) with cache_hidden=true, but not with cache_aux_layers
+    (which the states do not hold)."""
     return (
         cfg.regenerate
         and cfg.cache_hidden

@@ -230,7 +230,7 @@ def _replies(base, group: list[dict], prompts, step: int, cfg: RegenConfig, prog
     """This turn step's replies, (text or None, why not, the states over prompt + reply + tail
     or None, the reply's token ids or None), from the base in this process or from the
     OpenAI-compatible server (which gets the chat so far and applies the template; no states,
-    no token ids)."""
+    no token ids). The states are of `prompt + reply ids + tail`: _regen_shard pairs them."""
     if not prompts:
         return []
     if cfg.backend == "openai":
@@ -242,14 +242,10 @@ def _replies(base, group: list[dict], prompts, step: int, cfg: RegenConfig, prog
         progress.batch(len(group), tokens, time.perf_counter() - t0)
         return [(t, why, None, None) for t, why in out]
     ids, states = generate(base, prompts, cfg, progress.batch, tails)
-    out = []
-    for p, x, st, tail in zip(prompts, ids, states, tails or [None] * len(ids), strict=True):
-        text = base.tokenizer.decode(x, skip_special_tokens=True)
-        kept = None
-        if st is not None:  # the tokens those states are of: the sample's, if it renders so
-            kept = (np.asarray(p + x + tail, dtype=np.int32), st)
-        out.append((text, "", kept, x))
-    return out
+    decode = base.tokenizer.decode
+    return [
+        (decode(x, skip_special_tokens=True), "", st, x) for x, st in zip(ids, states, strict=True)
+    ]
 
 
 def _regen_shard(
@@ -296,7 +292,7 @@ def _regen_shard(
             if local:
                 tails.append(reply_tail(tok, c["msgs"][:idx], p))
         texts = _replies(base, group, prompts, step, cfg, progress, tails if keep_states else None)
-        for i, (c, (text, why, kept, x)) in enumerate(zip(group, texts, strict=True)):
+        for i, (c, (text, why, st, x)) in enumerate(zip(group, texts, strict=True)):
             idx = c["turns"][step]
             reply = (text or "").strip()
             if not reply:
@@ -305,13 +301,12 @@ def _regen_shard(
                 continue
             c["msgs"][idx] = {"role": "assistant", "content": reply}
             c["done"] += 1
-            c["kept"] = kept  # the last regenerated turn's states cover the earlier turns'
             tail, p = tails[i] if local else None, prompts[i]
             # the tokens this turn ran over; its prompt holds the earlier replies as text
-            if x is None or tail is None:
-                c["ids"] = None
-            else:
-                c["ids"] = (p + x + tail, len(p), len(p) + len(x))
+            ids = None if x is None or tail is None else p + x + tail
+            c["ids"] = None if ids is None else (ids, len(p), len(p) + len(x))
+            # its states (kept where a tail is: over those tokens) cover the earlier turns'
+            c["kept"] = None if st is None else (np.asarray(ids, dtype=np.int32), st)
         step += 1
     out, kept = [], []
     for c in convs:
