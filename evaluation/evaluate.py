@@ -80,7 +80,8 @@ def fixed_tree(
                         f"tokens: use tree.{name}.depth <= {limit} or null"
                     )
             spec = by_temperature(temperature, tc.budget, cold, hot, tc.hot_at, depth)
-        grown = spec.candidates(spec.levels(depth, limit))
+        levels = spec.levels(depth, limit)
+        grown = spec.candidates(levels)
         if grown < spec.budget:
             log.warning(
                 "tree.budget=%d but a dynamic tree of expand=%d width=%d over %d levels grows "
@@ -89,7 +90,7 @@ def fixed_tree(
                 spec.budget,
                 spec.expand,
                 spec.width,
-                spec.levels(depth, limit),
+                levels,
                 grown,
             )
         return spec
