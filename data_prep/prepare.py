@@ -697,8 +697,10 @@ def _samples(cfg: PrepConfig, timing: dict, t_start: float, partial: Path, work:
             f"{dict(skips.counts)}); check data.format / data.turns_field"
         )
     if cfg.regenerate:
+        regen: dict[str, Any] = {}
         with _timed(timing, "regenerate_s"):
-            rows = _regenerated(cfg, rows, partial, skips)
+            rows = _regenerated(cfg, rows, partial, skips, regen)
+        read_info["regeneration"] = _regen_rates(regen, timing["regenerate_s"])
     with _timed(timing, "tokenize_s"):
         tok, num_proc = tokenize(rows, tokenizer, cfg, work)
     kept, conv_lengths = kept_samples(tok, skips)
@@ -712,8 +714,18 @@ def _samples(cfg: PrepConfig, timing: dict, t_start: float, partial: Path, work:
     return dd, make_stats, num_proc
 
 
-def _regenerated(cfg: PrepConfig, rows, partial: Path, skips) -> list:
-    """The conversations with their assistant turns answered by the base (cfg.regen)."""
+def _regen_rates(regen: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """prep_stats.json's `regeneration` (regenerate.regen_summary) with its wall time, loading
+    the base included, and where no shard was resumed, the turns it regenerated an hour."""
+    regen["wall_s"] = round(wall_s, 1)
+    if not regen["shards_resumed"] and wall_s > 0:
+        regen["turns_per_hour"] = round(regen["turns"] * 3600 / wall_s)
+    return regen
+
+
+def _regenerated(cfg: PrepConfig, rows, partial: Path, skips, stats: dict | None = None) -> list:
+    """The conversations with their assistant turns answered by the base (cfg.regen); `stats`
+    gets regenerate's summary."""
     from data_prep.regenerate import regenerate
     from train.core.base import load_base
 
@@ -730,7 +742,14 @@ def _regenerated(cfg: PrepConfig, rows, partial: Path, skips) -> list:
         use_weight_layout(base.model, layout=cfg.regen.weight_layout, key="regen.weight_layout")
     keep = _keeps_states(cfg)
     rows = regenerate(
-        rows.to_list(), base, cfg.regen, partial / "regen", cfg.seed, skips, keep_states=keep
+        rows.to_list(),
+        base,
+        cfg.regen,
+        partial / "regen",
+        cfg.seed,
+        skips,
+        keep_states=keep,
+        stats=stats,
     )
     if not rows:
         raise PrepError(
@@ -1027,6 +1046,7 @@ def _stats(cfg, read_info, skips: SkipLog, kept, dd, conv_lengths, tokenizer) ->
         "seed": cfg.seed,
         "max_token_id": max_id,  # train checks it against the base vocab
         "tokenizer": tokenizer_fingerprint(tokenizer),  # train and eval: the same vocabulary
-        # a mixture (data.sources): its totals, and each source's counts by name
-        **{k: read_info[k] for k in ("mixture", "sources") if k in read_info},
+        # a mixture (data.sources): its totals, and each source's counts by name; regenerate:
+        # its turns, reply tokens, generation time and throughput
+        **{k: read_info[k] for k in ("mixture", "sources", "regeneration") if k in read_info},
     }

@@ -209,6 +209,30 @@ class _Progress:
             self.bar.update(turns)
 
 
+def regen_summary(rows: list[dict], shards: int, resumed: int, progress: _Progress) -> dict:
+    """What a regeneration produced (prep_stats.json's `regeneration`): the conversations with
+    at least one regenerated turn, their regenerated turns and reply tokens (all shards,
+    resumed ones too; `untracked_conversations`: from shards written before reply tokens were
+    recorded), and this run's own generation: the tokens it generated (end-of-turn tokens and
+    replies dropped as empty too), the seconds it spent generating and their rate (0 where
+    every shard was resumed)."""
+    done = [r for r in rows if r.get("regenerated_turns", 0)]
+    summary = {
+        "conversations": len(done),
+        "turns": sum(r["regenerated_turns"] for r in done),
+        "reply_tokens": sum(r.get("reply_tokens", 0) for r in done),
+        "shards": shards,
+        "shards_resumed": resumed,
+        "generated_tokens": progress.tokens,
+        "generation_s": round(progress.seconds, 1),
+        "tokens_per_s": round(progress.tokens / progress.seconds, 1) if progress.seconds else 0.0,
+    }
+    untracked = sum("reply_tokens" not in r for r in done)
+    if untracked:
+        summary["untracked_conversations"] = untracked
+    return summary
+
+
 def turn_prompt(tokenizer, history: list[dict]) -> list[int]:
     """Token ids of the chat `history` plus the assistant-turn opener. Tool calls and reasoning
     in the history reach the model as training renders them (template_messages: inlined where
@@ -273,7 +297,7 @@ def _regen_shard(
     for r in rows:
         msgs = _messages(r)
         turns = _targets(msgs, cfg)
-        convs.append({"row": r, "msgs": msgs, "turns": turns, "done": 0, "stop": None})
+        convs.append({"row": r, "msgs": msgs, "turns": turns, "done": 0, "stop": None, "n": 0})
     step = 0
     while True:
         active = [c for c in convs if c["stop"] is None and step < len(c["turns"])]
@@ -301,6 +325,10 @@ def _regen_shard(
                 continue
             c["msgs"][idx] = {"role": "assistant", "content": reply}
             c["done"] += 1
+            # its length as generated (a server's reply: as its kept text tokenizes)
+            c["n"] += (
+                len(x) if x is not None else len(tok(reply, add_special_tokens=False).input_ids)
+            )
             tail, p = tails[i] if local else None, prompts[i]
             # the tokens this turn ran over; its prompt holds the earlier replies as text
             ids = None if x is None or tail is None else p + x + tail
@@ -322,6 +350,7 @@ def _regen_shard(
                 "contents": [m["content"] for m in msgs],
                 "extras": pack_extras(msgs),  # the history's tool calls and reasoning
                 "regenerated_turns": c["done"],
+                "reply_tokens": c["n"],  # over its regenerated turns
                 "stop": c["stop"],
                 "token_ids": c["ids"][0] if c.get("ids") else [],
                 "reply_at": list(c["ids"][1:]) if c.get("ids") else [],
@@ -340,6 +369,7 @@ def regenerate(
     seed: int = 0,
     skips=None,
     keep_states: bool = False,
+    stats: dict | None = None,
 ) -> list[dict]:
     """Replace assistant turns in `rows` by the base model's own replies.
 
@@ -355,6 +385,8 @@ def regenerate(
     (`states-<shard>/`, before the shard itself), for caching to take instead of running the
     base over those samples again. A shard's states are held in memory until it is written:
     shard_size x tokens x hidden size x 2 bytes (a smaller regen.shard_size for a large base).
+
+    `stats`, where given, is filled with what was regenerated (`regen_summary`).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     manifest = _manifest(rows, cfg, base.cfg.name, seed)
@@ -393,6 +425,8 @@ def regenerate(
             progress.seconds,
             progress.tokens / progress.seconds,
         )
+    if stats is not None:
+        stats.update(regen_summary(result, n_shards, done, progress))
     kept, cut = [], Counter()
     for r in result:
         if r.get("stop") and r.get("regenerated_turns", 0):
@@ -402,6 +436,7 @@ def regenerate(
                 skips.skip(f"regen_{r['stop']}", f"conversation {r['conv_id']}")
             continue
         r.pop("regenerated_turns", None)
+        r.pop("reply_tokens", None)
         r.pop("stop", None)
         r.setdefault("token_ids", [])  # a shard written before they were recorded
         r.setdefault("reply_at", [])

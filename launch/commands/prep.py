@@ -39,6 +39,15 @@ def print_stats(stats: dict[str, Any], out: str) -> None:
             "conversation tokens p50 / p90 / max",
             f"{pct['p50']:,.0f} / {pct['p90']:,.0f} / {pct['max']:,}",
         )
+    regen = stats.get("regeneration")
+    if regen:
+        t.add_row(
+            "regenerated turns (reply tokens)", f"{regen['turns']:,} ({regen['reply_tokens']:,})"
+        )
+        rate = f"{regen['tokens_per_s']:,.1f} tokens/s generating"
+        if "turns_per_hour" in regen:
+            rate += f", {regen['turns_per_hour']:,} turns an hour"
+        t.add_row("regeneration", f"{regen['wall_s'] / 60:,.1f} min: {rate}")
     for split, s in stats["splits"].items():
         t.add_row(f"{split}: samples", f"{s['samples']:,}")
         t.add_row(f"{split}: tokens (trainable)", f"{s['tokens']:,} ({s['trainable_tokens']:,})")

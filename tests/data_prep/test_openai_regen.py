@@ -71,13 +71,17 @@ def _digest(out: Path) -> dict[str, str]:
     }
 
 
-def _replies(out: Path) -> dict[str, str]:
-    import datasets
-
+def _tokenizer():
     from train.core.base import BaseConfig, load_tokenizer
     from train.core.config import from_group
 
-    tok = load_tokenizer(from_group(BaseConfig, "base", "smollm2_135m"))
+    return load_tokenizer(from_group(BaseConfig, "base", "smollm2_135m"))
+
+
+def _replies(out: Path) -> dict[str, str]:
+    import datasets
+
+    tok = _tokenizer()
     ds = datasets.load_from_disk(str(out))["train"]
     return {
         r["conv_id"]: tok.decode(
@@ -106,6 +110,12 @@ def test_openai_regen_is_concurrent_and_resumes_after_a_kill_to_the_same_bytes(t
     assert all(t.endswith("<|im_end|>") and len(t) > len("<|im_end|>") for t in replies.values())
     st = json.loads((ref / "prep_stats.json").read_text())
     assert st["regen_token_ids"] == {"generated": 0, "text": {"none": 8}}  # a server: text only
+    # the server's replies counted as their text tokenizes (<|im_end|> is the template's)
+    tok = _tokenizer()
+    assert st["regeneration"]["turns"] == 8 and st["regeneration"]["reply_tokens"] == sum(
+        len(tok(t.removesuffix("<|im_end|>"), add_special_tokens=False)["input_ids"])
+        for t in replies.values()
+    )
     with server(tmp_path) as (url, _):
         out = tmp_path / "resumed"
         proc = subprocess.Popen(

@@ -98,6 +98,52 @@ def test_killed_run_resumes_at_the_first_missing_shard(tmp_path, tiny_base, monk
     assert resumed == full
 
 
+def test_regeneration_counts_its_turns_and_reply_tokens_across_a_resume(
+    tmp_path, tiny_base, monkeypatch
+):
+    import data_prep.regenerate as regen_mod
+
+    replies = []
+    real_generate = regen_mod.generate
+
+    def spy(base, prompts, *a, **k):
+        ids, states = real_generate(base, prompts, *a, **k)
+        replies.extend(ids)
+        return ids, states
+
+    monkeypatch.setattr(regen_mod, "generate", spy)
+    cfg = regen_config(max_new_tokens=5, batch_size=2, shard_size=2, **SAMPLE)
+    full_stats: dict = {}
+    full = regenerate(_rows(6), tiny_base, cfg, tmp_path / "a", stats=full_stats)
+    decode = tiny_base.tokenizer.decode
+    kept = [x for x in replies if decode(x, skip_special_tokens=True).strip()]
+    assert full_stats["turns"] == len(kept) == sum(r["roles"].count("assistant") for r in full)
+    assert full_stats["reply_tokens"] == sum(map(len, kept)) > 0
+    assert full_stats["conversations"] == len(full)
+    assert (full_stats["shards"], full_stats["shards_resumed"]) == (3, 0)
+    assert full_stats["generated_tokens"] >= full_stats["reply_tokens"]
+    assert full_stats["tokens_per_s"] > 0
+    assert all("reply_tokens" not in r for r in full)  # counted, not a column of the rows
+
+    real = regen_mod._regen_shard
+
+    def dies_on_second_shard(rows, *a, **k):
+        if rows[0]["conv_id"] == "c2":
+            raise KeyboardInterrupt("killed")
+        return real(rows, *a, **k)
+
+    monkeypatch.setattr(regen_mod, "_regen_shard", dies_on_second_shard)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(_rows(6), tiny_base, cfg, tmp_path / "b")
+    monkeypatch.setattr(regen_mod, "_regen_shard", real)
+    resumed: dict = {}
+    assert regenerate(_rows(6), tiny_base, cfg, tmp_path / "b", stats=resumed) == full
+    assert resumed["shards_resumed"] == 1  # shard 0 read back: its turns and tokens counted
+    for key in ("conversations", "turns", "reply_tokens"):
+        assert resumed[key] == full_stats[key]
+    assert resumed["generated_tokens"] < full_stats["generated_tokens"]  # this run's only
+
+
 def test_changed_inputs_discard_stale_shards(tmp_path, tiny_base):
     cfg = regen_config(max_new_tokens=3, shard_size=2, **SAMPLE)
     regenerate(_rows(2), tiny_base, cfg, tmp_path / "r")
@@ -112,7 +158,7 @@ def test_changed_inputs_discard_stale_shards(tmp_path, tiny_base):
     assert [r["conv_id"] for r in out] == ["c0", "c1", "c2"]
 
 
-def test_prep_regenerate_end_to_end_tiny(tmp_path):
+def test_prep_regenerate_end_to_end_tiny(tmp_path, monkeypatch, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text(
         "\n".join(
@@ -139,6 +185,20 @@ def test_prep_regenerate_end_to_end_tiny(tmp_path):
     tok = __import__("train.core.base", fromlist=["tiny_tokenizer"]).tiny_tokenizer()
     rows = datasets.load_from_disk(str(tmp_path / "out"))["train"]
     assert len(rows) > 0
+    regen = stats["regeneration"]  # one regenerated turn a kept conversation
+    assert regen["conversations"] == regen["turns"] == len(rows) == stats["conversations_kept"]
+    assert regen["turns"] <= regen["reply_tokens"] <= 5 * regen["turns"]
+    assert regen["wall_s"] >= regen["generation_s"] > 0
+    assert regen["turns_per_hour"] == round(regen["turns"] * 3600 / stats["timing"]["regenerate_s"])
+    saved = json.loads((tmp_path / "out" / "prep_stats.json").read_text())
+    assert saved["regeneration"] == regen
+    from launch.commands.prep import print_stats
+
+    monkeypatch.setenv("COLUMNS", "300")  # no wrapped rows
+    print_stats(stats, str(tmp_path / "out"))  # the CLI's summary
+    shown = capsys.readouterr().out
+    assert f"{regen['turns']} ({regen['reply_tokens']})" in shown
+    assert f"{regen['turns_per_hour']:,} turns an hour" in shown
     for row in rows:
         assert "ORIGINAL" not in tok.decode(row["input_ids"])
 
