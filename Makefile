@@ -1,4 +1,4 @@
-# The README's two commands: `make demo` and `make test`. Both set up .venv on first use.
+# The README's commands: `make demo`, `make test` and `make recipe-1h`. Both set up .venv on first use.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -41,7 +41,7 @@ demo: setup
 	$(BIN)/hydra-heads train experiment=smollm2_cpu data.prepared=$(DEMO)/data out=$(DEMO)/train
 	@# MT-Bench, one question per category (both turns); tree=auto (the default): the tree
 	@# with the best expected speedup on this machine, trees of up to 4 nodes timed (the demo
-	@# heads' tau gains too little past them: it has picked 1-3 nodes on both kinds of CPU, and
+	@# heads' tau gains too little past them: it has picked 1-4 nodes on the EPYC, and
 	@# each larger candidate adds ~8 s of timing)
 	$(BIN)/hydra-heads eval heads=$(DEMO)/train/heads out=$(DEMO)/eval overwrite=true eval.suite=mt_bench eval.num_prompts=8 eval.max_new_tokens=48 tree.calibration_rows=16 tree.budget=4
 	$(BIN)/hydra-heads report runs=[$(DEMO)] out=$(DEMO)/report
