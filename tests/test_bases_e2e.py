@@ -1,9 +1,10 @@
 """Every base family beyond Llama through the whole CLI, as a user with a model directory runs
 it (`base=pretrained base.path=DIR`): prep with the family's chat template (multi-turn
 conversations kept, reply masks ending on its end-of-turn token), regeneration by the base,
-training of Medusa, Hydra and Hydra++ heads online and offline, eval (greedy speculative == plain, or it
-exits 2) on a fixed and a dynamic tree at batch 1 and batch B, export and import back, and
-`plan`. The tiny random models are built from transformers' own classes (tests/families.py)."""
+training of Medusa, Hydra and Hydra++ heads online and offline, eval (greedy speculative ==
+plain, or it exits 2) on a fixed and a dynamic tree at batch 1 and batch B, export and import
+back, and `plan`. The tiny random models are built from transformers' own classes
+(tests/families.py)."""
 
 from __future__ import annotations
 
