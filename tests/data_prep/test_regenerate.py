@@ -188,7 +188,8 @@ def test_prep_regenerate_end_to_end_tiny(tmp_path, monkeypatch, capsys):
     regen = stats["regeneration"]  # one regenerated turn a kept conversation
     assert regen["conversations"] == regen["turns"] == len(rows) == stats["conversations_kept"]
     assert regen["turns"] <= regen["reply_tokens"] <= 5 * regen["turns"]
-    assert regen["wall_s"] >= regen["generation_s"] > 0
+    assert regen["wall_s"] >= regen["generation_s"] >= 0  # rounded to 0.1 s: a tiny model
+    assert regen["generated_tokens"] >= regen["reply_tokens"]
     assert regen["turns_per_hour"] == round(regen["turns"] * 3600 / stats["timing"]["regenerate_s"])
     saved = json.loads((tmp_path / "out" / "prep_stats.json").read_text())
     assert saved["regeneration"] == regen
