@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import shutil
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -46,6 +47,9 @@ from train.decoding.slab import generate_left_padded
 log = logging.getLogger(__name__)
 
 OnBatch = Callable[[int, int, float], None]  # (rows, generated tokens, seconds) per batch
+# A shard's turns a minute enter regen_summary's spread only from this many turns: a short last
+# shard's rate is mostly its fixed costs.
+RATE_MIN_TURNS = 8
 
 
 def plan_batches(
@@ -192,6 +196,9 @@ class _Progress:
         self.bar = tqdm(total=total, desc="regenerating", unit=" turn")
         self.tokens = 0
         self.seconds = 0.0
+        self.prompt_tokens = 0  # of the prompts this run regenerated from
+        self.shards: list[dict] = []  # this run's shards, as they finish (`shard_done`)
+        self._at = (0, 0, 0.0, time.perf_counter())  # counters when the current shard began
 
     def batch(self, rows: int, tokens: int, seconds: float) -> None:
         self.tokens += tokens
@@ -208,14 +215,38 @@ class _Progress:
         if turns:
             self.bar.update(turns)
 
+    def shard_done(self, shard: int, turns: int) -> None:
+        """Record shard `shard`'s figures (`turns` regenerated), counted since shard_start:
+        its wall time holds the states' and the shard's writing, its generation seconds the
+        batches alone."""
+        prompts, tokens, seconds, t0 = self._at
+        now = time.perf_counter()
+        self.shards.append(
+            {
+                "shard": shard,
+                "turns": turns,
+                "prompt_tokens": self.prompt_tokens - prompts,
+                "generated_tokens": self.tokens - tokens,
+                "generation_s": round(self.seconds - seconds, 2),
+                "wall_s": round(now - t0, 2),
+            }
+        )
+
+    def shard_start(self) -> None:
+        self._at = (self.prompt_tokens, self.tokens, self.seconds, time.perf_counter())
+
 
 def regen_summary(rows: list[dict], shards: int, resumed: int, progress: _Progress) -> dict:
     """What a regeneration produced (prep_stats.json's `regeneration`): the conversations with
     at least one regenerated turn, their regenerated turns and reply tokens (all shards,
     resumed ones too; `untracked_conversations`: from shards written before reply tokens were
     recorded), and this run's own generation: the tokens it generated (end-of-turn tokens and
-    replies dropped as empty too), the seconds it spent generating and their rate (0 where
-    every shard was resumed)."""
+    replies dropped as empty too), the prompt tokens it generated them after (prefilled by the
+    local base; a server's prompts as the template renders them here), the seconds it spent
+    generating and their rate (0 where every shard was resumed), and per shard it wrote
+    (`shards_run`) those figures with its wall time, whose turns a minute (`shard_turns_per_min`:
+    min, median, max over shards of at least RATE_MIN_TURNS turns) show whether the rate held
+    over the run."""
     done = [r for r in rows if r.get("regenerated_turns", 0)]
     summary = {
         "conversations": len(done),
@@ -226,7 +257,17 @@ def regen_summary(rows: list[dict], shards: int, resumed: int, progress: _Progre
         "generated_tokens": progress.tokens,
         "generation_s": round(progress.seconds, 1),
         "tokens_per_s": round(progress.tokens / progress.seconds, 1) if progress.seconds else 0.0,
+        "prompt_tokens": progress.prompt_tokens,
+        "shards_run": progress.shards,
     }
+    timed = [x for x in progress.shards if x["turns"] >= RATE_MIN_TURNS and x["wall_s"]]
+    rates = sorted(60 * x["turns"] / x["wall_s"] for x in timed)
+    if rates:
+        summary["shard_turns_per_min"] = {
+            "min": round(rates[0], 1),
+            "median": round(statistics.median(rates), 1),
+            "max": round(rates[-1], 1),
+        }
     untracked = sum("reply_tokens" not in r for r in done)
     if untracked:
         summary["untracked_conversations"] = untracked
@@ -315,6 +356,7 @@ def _regen_shard(
             prompts.append(p)
             if local:
                 tails.append(reply_tail(tok, c["msgs"][:idx], p))
+        progress.prompt_tokens += sum(len(p) for p in prompts)
         texts = _replies(base, group, prompts, step, cfg, progress, tails if keep_states else None)
         for i, (c, (text, why, st, x)) in enumerate(zip(group, texts, strict=True)):
             idx = c["turns"][step]
@@ -411,10 +453,12 @@ def regenerate(
             progress.skip(sum(_planned_turns(r, cfg) for r in shard_rows))
         else:
             torch.manual_seed(seed * 1_000_003 + s)  # per-shard seed: resume == uninterrupted
+            progress.shard_start()
             shard, kept = _regen_shard(shard_rows, base, cfg, progress, keep_states)
             if kept:  # first: a shard that exists has its states saved, if it kept any
                 save_regen_states(workdir / f"states-{s:05d}", kept, dtype_name(base.model))
             write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in shard))
+            progress.shard_done(s, sum(r["regenerated_turns"] for r in shard))
         with open(path, encoding="utf-8") as f:
             result.extend(json.loads(line) for line in f)
     progress.bar.close()

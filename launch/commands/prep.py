@@ -45,9 +45,17 @@ def print_stats(stats: dict[str, Any], out: str) -> None:
             "regenerated turns (reply tokens)", f"{regen['turns']:,} ({regen['reply_tokens']:,})"
         )
         rate = f"{regen['tokens_per_s']:,.1f} tokens/s generating"
+        if regen.get("prompt_tokens"):  # prep_stats.json from before it was recorded: none
+            rate += f" after {regen['prompt_tokens']:,} prompt tokens"
         if "turns_per_hour" in regen:
             rate += f", {regen['turns_per_hour']:,} turns an hour"
         t.add_row("regeneration", f"{regen['wall_s'] / 60:,.1f} min: {rate}")
+        spread = regen.get("shard_turns_per_min")
+        if spread:
+            t.add_row(
+                f"turns a minute per shard ({len(regen['shards_run'])} run)",
+                f"min {spread['min']:,} / median {spread['median']:,} / max {spread['max']:,}",
+            )
     for split, s in stats["splits"].items():
         t.add_row(f"{split}: samples", f"{s['samples']:,}")
         t.add_row(f"{split}: tokens (trainable)", f"{s['tokens']:,} ({s['trainable_tokens']:,})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 
 import datasets
 import numpy as np
@@ -102,20 +103,28 @@ def test_killed_run_resumes_at_the_first_missing_shard(tmp_path, tiny_base, monk
     for key in ("conversations", "turns", "reply_tokens"):
         assert stats[key] == full_stats[key]
     assert stats["generated_tokens"] < full_stats["generated_tokens"]  # this run's only
+    assert [x["shard"] for x in stats["shards_run"]] == [1, 2]
+    assert [x["shard"] for x in full_stats["shards_run"]] == [0, 1, 2]
+    assert stats["shards_run"] == [
+        {**x, "generation_s": y["generation_s"], "wall_s": y["wall_s"]}
+        for x, y in zip(full_stats["shards_run"][1:], stats["shards_run"], strict=True)
+    ]  # the same shards' counts as in the uninterrupted run
 
 
 def test_regeneration_counts_its_turns_and_reply_tokens(tmp_path, tiny_base, monkeypatch):
     import data_prep.regenerate as regen_mod
 
-    replies = []
+    replies, prompt_lengths = [], []
     real_generate = regen_mod.generate
 
     def spy(base, prompts, *a, **k):
         ids, states = real_generate(base, prompts, *a, **k)
         replies.extend(ids)
+        prompt_lengths.extend(map(len, prompts))
         return ids, states
 
     monkeypatch.setattr(regen_mod, "generate", spy)
+    monkeypatch.setattr(regen_mod, "RATE_MIN_TURNS", 1)  # the tiny shards' rates count
     cfg = regen_config(max_new_tokens=5, batch_size=2, shard_size=2, **SAMPLE)
     full_stats: dict = {}
     full = regenerate(_rows(6), tiny_base, cfg, tmp_path / "a", stats=full_stats)
@@ -128,6 +137,20 @@ def test_regeneration_counts_its_turns_and_reply_tokens(tmp_path, tiny_base, mon
     assert full_stats["generated_tokens"] >= full_stats["reply_tokens"]
     assert full_stats["tokens_per_s"] > 0
     assert all("reply_tokens" not in r for r in full)  # counted, not a column of the rows
+    assert full_stats["prompt_tokens"] == sum(prompt_lengths) > 0
+    shards = full_stats["shards_run"]  # per shard, summing to the run's figures
+    assert len(shards) == 3
+    for key in ("turns", "prompt_tokens", "generated_tokens"):
+        assert sum(x[key] for x in shards) == full_stats[key]
+    assert all(x["wall_s"] >= x["generation_s"] > 0 for x in shards)
+    rates = sorted(60 * x["turns"] / x["wall_s"] for x in shards if x["turns"])
+    assert len(rates) >= 2  # a spread to take
+    spread = full_stats["shard_turns_per_min"]
+    assert spread == {
+        "min": round(rates[0], 1),
+        "median": round(statistics.median(rates), 1),
+        "max": round(rates[-1], 1),
+    }
 
 
 def test_changed_inputs_discard_stale_shards(tmp_path, tiny_base):
@@ -165,6 +188,7 @@ def test_prep_regenerate_end_to_end_tiny(tmp_path, monkeypatch, capsys):
             "regen.temperature=1.0",
         ]
     )
+    monkeypatch.setattr("data_prep.regenerate.RATE_MIN_TURNS", 1)  # the tiny shards' rates
     stats = prepare(cfg)
     assert stats["regenerated"] is True
     assert not (tmp_path / "out.partial").exists()  # work dir removed once published
@@ -186,6 +210,10 @@ def test_prep_regenerate_end_to_end_tiny(tmp_path, monkeypatch, capsys):
     shown = capsys.readouterr().out
     assert f"{regen['turns']} ({regen['reply_tokens']})" in shown
     assert f"{regen['turns_per_hour']:,} turns an hour" in shown
+    assert f"after {regen['prompt_tokens']:,} prompt tokens" in shown
+    spread = regen["shard_turns_per_min"]
+    assert f"turns a minute per shard ({len(regen['shards_run'])} run)" in shown
+    assert f"min {spread['min']:,} / median {spread['median']:,} / max {spread['max']:,}" in shown
     for row in rows:
         assert "ORIGINAL" not in tok.decode(row["input_ids"])
 
