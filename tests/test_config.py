@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,17 @@ def test_every_trainer_strategy_instantiates(trainer):
         obj = instantiate(strategy)
         assert type(obj).__name__.endswith("Strategy"), type(obj)
         assert type(obj).__module__.split(".")[0] in ("lightning", "train"), type(obj)
+        # built as configured: each kind's keys reach the object
+        name = type(obj).__name__
+        if name == "DDPStrategy":
+            assert obj.process_group_backend == strategy["process_group_backend"]
+            assert obj._ddp_kwargs["find_unused_parameters"] is False
+        elif name == "FSDPStrategy":
+            assert obj.sharding_strategy.name == strategy["sharding_strategy"]
+        else:  # DeepSpeed: the JSON config it names, its ZeRO stage and the heads-only saves
+            stage = json.loads(Path(strategy["config"]).read_text())["zero_optimization"]
+            assert obj.config["zero_optimization"]["stage"] == stage["stage"] > 0
+            assert obj.exclude_frozen_parameters is True
         return
     kw = dict(cfg.trainer)
     if kw["accelerator"] == "gpu" and not torch.cuda.is_available():

@@ -206,6 +206,13 @@ def test_existing_output_is_refused_then_replaced_atomically(tmp_path, defects_j
     # The interrupted run left the previous dataset untouched and nothing loadable elsewhere.
     assert _tree_digest(tmp_path / "out") == before
     assert not any(p.name.startswith(".out.old") for p in tmp_path.iterdir())
+    monkeypatch.undo()  # the same overwrite, not interrupted, replaces it
+    prepare(_cfg(tmp_path, defects_jsonl, "overwrite=true", "data.max_length=32"))
+    assert _tree_digest(tmp_path / "out") != before
+    assert json.loads((tmp_path / "out" / "prep_stats.json").read_text())["max_length"] == 32
+    train = datasets.load_from_disk(str(tmp_path / "out"))["train"]
+    assert 0 < max(len(x) for x in train["input_ids"]) <= 32
+    assert not any(p.name.startswith(".out.old") for p in tmp_path.iterdir())
 
 
 def test_interrupted_first_run_leaves_no_dataset(tmp_path, defects_jsonl, monkeypatch):

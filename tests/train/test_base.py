@@ -30,6 +30,10 @@ def test_tiny_random_is_deterministic_by_seed():
     a = load_base(base_config("tiny_random", name="t")).model.state_dict()
     b = load_base(base_config("tiny_random", name="t")).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    cfg = base_config("tiny_random", name="t")
+    cfg = cfg.model_copy(update={"tiny": cfg.tiny.model_copy(update={"seed": cfg.tiny.seed + 1})})
+    c = load_base(cfg).model.state_dict()
+    assert not all(torch.equal(a[k], c[k]) for k in a)  # another seed, other weights
 
 
 def test_tiny_random_vocab_can_outgrow_its_tokenizer_for_the_plan_too():

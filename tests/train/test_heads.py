@@ -118,10 +118,11 @@ def test_proposal_step_equals_teacher_forcing(tiny_base, name):
     states = heads(hidden, tiny_base.embed_tokens(ids))
     ctx = heads.context(hidden)
     for k in range(3):
-        t = 4
-        got = head_step(heads, k, ctx[:, t], ids[:, t + 1 : t + k + 2], tiny_base.embed_tokens)
-        want = full_vocab_logits(heads, heads.logits(k, states[k][:, t]))
-        assert torch.allclose(got, want, atol=1e-5)
+        for t in range(T - k - 1):  # every position whose path lies inside the sequence
+            path = ids[:, t + 1 : t + k + 2]
+            got = head_step(heads, k, ctx[:, t], path, tiny_base.embed_tokens)
+            want = full_vocab_logits(heads, heads.logits(k, states[k][:, t]))
+            assert torch.allclose(got, want, atol=1e-5), (k, t)
 
 
 @pytest.mark.parametrize("name", sorted(HEADS))

@@ -37,14 +37,16 @@ def test_chunked_equals_naive_loss_and_gradients(lm, kl, T, chunk):
 
 def test_counts_top1_top5():
     H, V = 4, 10
-    w = torch.eye(V, H) * 10  # token v scores highest for state e_v (v < H)
+    # token v scores highest for state e_v (v < H); the rest rank by id, so every state's
+    # top 5 is itself and 9, 8, 7, 6
+    w = torch.eye(V, H) * 10 + 0.01 * torch.arange(V, dtype=torch.float)[:, None]
     state = torch.eye(H)  # argmax = 0, 1, 2, 3
     target = torch.tensor([0, 1, 9, -1])
-    base = torch.tensor([0, 5, 2, 3])
+    base = torch.tensor([0, 6, 2, 3])
     out = fused_head_loss(state, w, target, base, lm_weight=1.0, distill_weight=0.0)
-    c = out.counts.tolist()
-    assert c[0] == 2  # top-1 vs true: positions 0, 1
-    assert c[2] == 3  # top-1 vs base argmax: positions 0, 2, 3
+    # top-1 vs true: positions 0, 1; top-5 vs true: 0, 1, 2 (9 in its top 5; -1 is ignored);
+    # top-1 vs the base's argmax: 0, 2, 3; top-5: all four (6 in position 1's top 5)
+    assert out.counts.tolist() == [2, 3, 3, 4]
     assert out.n == 4
 
 
