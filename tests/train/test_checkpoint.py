@@ -98,15 +98,20 @@ def test_missing_checkpoint_files_are_a_clear_error(tmp_path):
 
 
 def _losses(run: Path, newest_only: bool = False) -> dict[int, float]:
-    """Each logged step's train loss: a later run's where runs overlap, or (`newest_only`) the
-    newest run's alone."""
+    """Each logged step's train loss (`_logged`)."""
+    return {step: float(loss) for step, (_, loss) in _logged(run, newest_only).items()}
+
+
+def _logged(run: Path, newest_only: bool = False) -> dict[int, tuple[int, str]]:
+    """step -> (epoch, train/loss as written): a later run's where runs overlap (a resumed run
+    adds a log version), or (`newest_only`) the newest run's alone."""
     out = {}
     logs = sorted(run.glob("logs/version_*/metrics.csv"), key=lambda f: int(f.parent.name[8:]))
     for f in logs[-1:] if newest_only else logs:
         with open(f) as fh:
             for row in csv.DictReader(fh):
                 if row.get("train/loss"):
-                    out[int(row["step"])] = float(row["train/loss"])
+                    out[int(row["step"])] = (int(row["epoch"]), row["train/loss"])
     return out
 
 
@@ -309,17 +314,6 @@ def _fit_in_process(prepared: Path, out: Path, *extra: str, callbacks=()) -> dic
         return make_trainer(cfg, **{**kw, "callbacks": [*kw["callbacks"], *callbacks]})
 
     return fit(cfg, make, logger=CSVLogger(save_dir=str(out), name="logs"))
-
-
-def _logged(run: Path) -> dict[int, tuple[int, str]]:
-    """step -> (epoch, train/loss as written) over every version (resumed runs add one)."""
-    out = {}
-    for f in sorted(run.glob("logs/version_*/metrics.csv")):
-        with open(f) as fh:
-            for row in csv.DictReader(fh):
-                if row.get("train/loss"):
-                    out[int(row["step"])] = (int(row["epoch"]), row["train/loss"])
-    return out
 
 
 def _heads(run: Path) -> dict[str, torch.Tensor]:
