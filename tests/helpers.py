@@ -197,6 +197,17 @@ def run_here(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess([CLI, *args], code, out.getvalue(), err.getvalue())
 
 
+def wide_console(monkeypatch, width: int = 300) -> None:
+    """Rich consoles made from here on are `width` columns wide, so a printed table's rows do
+    not wrap. Not COLUMNS: rich reads the os.environ it saw at import, and `datasets.map` with
+    num_proc replaces os.environ with a copy, after which a set COLUMNS goes unseen."""
+    from functools import partial
+
+    import rich.console
+
+    monkeypatch.setattr(rich.console, "Console", partial(rich.console.Console, width=width))
+
+
 def slurm_up() -> bool:
     """A SLURM controller answers (CI starts one: launch/slurm/local_cluster_up.sh)."""
     if not shutil.which("sbatch"):

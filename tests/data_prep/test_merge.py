@@ -11,7 +11,7 @@ import pytest
 
 from data_prep.prepare import PrepError, prepare
 from launch.commands.prep import print_stats
-from tests.helpers import conv, prep_config
+from tests.helpers import conv, prep_config, wide_console
 from train.core.errors import UserError
 from train.data import check_prepared, load_prepared
 
@@ -76,7 +76,7 @@ def test_merge_drops_repeats_and_keeps_the_cached_states(tmp_path, capsys, monke
     assert repeats > 0 and stats["skipped"]["duplicate_across_datasets"] == repeats
     assert stats["merged_from"][1]["duplicates_dropped"] == repeats
     assert stats["cached_hidden"] is True
-    monkeypatch.setenv("COLUMNS", "300")  # no wrapped rows
+    wide_console(monkeypatch)  # no wrapped rows
     print_stats(stats, str(merged))  # the CLI's summary of a merge
     shown = capsys.readouterr().out
     assert f"{repeats} repeats dropped" in shown and "records read" in shown

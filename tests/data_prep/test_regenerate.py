@@ -12,7 +12,7 @@ import pytest
 
 from data_prep.prepare import prepare
 from data_prep.regenerate import regenerate
-from tests.helpers import conv, prep_config, regen_config
+from tests.helpers import conv, prep_config, regen_config, wide_console
 from train.decoding.sampling import eos_ids
 
 
@@ -205,7 +205,7 @@ def test_prep_regenerate_end_to_end_tiny(tmp_path, monkeypatch, capsys):
     assert saved["regeneration"] == regen
     from launch.commands.prep import print_stats
 
-    monkeypatch.setenv("COLUMNS", "300")  # no wrapped rows
+    wide_console(monkeypatch)  # no wrapped rows
     print_stats(stats, str(tmp_path / "out"))  # the CLI's summary
     shown = capsys.readouterr().out
     assert f"{regen['turns']} ({regen['reply_tokens']})" in shown
