@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, model_validator
@@ -135,6 +136,12 @@ class TrainConfig(ConfigModel):
     keep_checkpoints: Positive
     final_validation: bool
     val_tau: ValTauConfig
+    # ours: fit the step count to this many minutes of training on this machine
+    # (train/time_budget.py); trainer.max_steps is then the cap
+    max_minutes: (
+        Annotated[float, check(lambda v: 0 < v < math.inf, "null or a number of minutes > 0")]
+        | None
+    ) = None
 
     @model_validator(mode="after")
     def _rules(self) -> TrainConfig:

@@ -35,6 +35,7 @@ from train.heads import base_shape, build_heads, heads_meta, save_heads
 from train.heads.blocks import top_tokens
 from train.module import HeadsModule
 from train.tau import measured_tau
+from train.time_budget import StepsForTime
 
 log = logging.getLogger(__name__)
 
@@ -287,6 +288,11 @@ def fit(
         ),
         SaveOnInterrupt(last),
     ]
+    budget = None
+    if cfg.max_minutes is not None:  # before the Trainer, which puts ModelCheckpoint after it:
+        # the checkpoint of the step that fixes the count then holds the count
+        budget = StepsForTime(cfg.max_minutes, cfg.trainer["max_steps"], cfg.optim.warmup_steps)
+        callbacks.append(budget)
     build = make or (lambda **kw: make_trainer(cfg, **kw))
     trainer = build(callbacks=callbacks, logger=logger, default_root_dir=str(out))
     use_step_progress_bar(trainer)
@@ -355,6 +361,8 @@ def fit(
     }
     if tau is not None:
         summary["val_tau"] = tau.summary()
+    if budget is not None:
+        summary["time_budget"] = budget.summary()
     if module.base_model is not None:
         summary["base_params_on_rank0"] = param_share(module.base_model)
 
