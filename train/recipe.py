@@ -337,6 +337,12 @@ def fit(
             weights_only=False,
         )
     fit_s = time.perf_counter() - t1
+    finished = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
+    if finished and trainer.global_step % cfg.checkpoint_every:
+        # Lightning writes last.ckpt at the end only if no periodic save wrote it before, so
+        # a run whose step count is not a multiple of checkpoint_every (a max_minutes count)
+        # would leave it at the last multiple: a resume would train those steps again
+        trainer.save_checkpoint(str(last), weights_only=False)
     val = {}
     if cfg.final_validation and dm.val_dataloader():
         res = trainer.validate(module, datamodule=dm, verbose=False)

@@ -125,7 +125,8 @@ def test_time_before_a_kill_counts_against_the_budget():
 def test_a_run_with_a_spent_budget_stops_when_its_count_is_fixed(tiny_prepared, tmp_path):
     """Through the CLI, the real clock: a budget spent by step 19 (the default warmup's last
     step) stops the run at step 20, short of trainer.max_steps; the summary, the heads and the
-    checkpoint record the count."""
+    checkpoint record the count, and last.ckpt holds step 20 though the periodic checkpoints
+    (every 7 steps) wrote it at step 14 before."""
     out = tmp_path / "run"
     r = run_here(
         "train",
@@ -137,7 +138,7 @@ def test_a_run_with_a_spent_budget_stops_when_its_count_is_fixed(tiny_prepared, 
         "final_validation=false",
         "trainer.max_steps=60",
         "trainer.val_check_interval=1000",
-        "checkpoint_every=100",
+        "checkpoint_every=7",
         "max_minutes=0.0001",
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -153,6 +154,7 @@ def test_a_run_with_a_spent_budget_stops_when_its_count_is_fixed(tiny_prepared, 
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     (state,) = [v for k, v in ckpt["callbacks"].items() if k.startswith("StepsForTime")]
     assert state["steps"] == 20 and state["spent_s"] > 0
+    assert ckpt["global_step"] == 20
 
 
 def test_the_schedule_ends_at_the_fitted_count_and_a_resume_keeps_it(
