@@ -122,25 +122,29 @@ def test_time_before_a_kill_counts_against_the_budget():
     assert cb2.steps == 255 and trainer2.global_step == 255
 
 
+def _train_args(prepared, out, *extra: str) -> list[str]:
+    """`hydra-heads train` of tiny Hydra heads, capped at 60 steps, with `extra`."""
+    return [
+        "train",
+        "base=tiny_random",
+        "head=hydra",
+        f"data.prepared={prepared}",
+        f"out={out}",
+        "logger=none",
+        "final_validation=false",
+        "trainer.max_steps=60",
+        "trainer.val_check_interval=1000",
+        *extra,
+    ]
+
+
 def test_a_run_with_a_spent_budget_stops_when_its_count_is_fixed(tiny_prepared, tmp_path):
     """Through the CLI, the real clock: a budget spent by step 19 (the default warmup's last
     step) stops the run at step 20, short of trainer.max_steps; the summary, the heads and the
     checkpoint record the count, and last.ckpt holds step 20 though the periodic checkpoints
     (every 7 steps) wrote it at step 14 before."""
     out = tmp_path / "run"
-    r = run_here(
-        "train",
-        "base=tiny_random",
-        "head=hydra",
-        f"data.prepared={tiny_prepared}",
-        f"out={out}",
-        "logger=none",
-        "final_validation=false",
-        "trainer.max_steps=60",
-        "trainer.val_check_interval=1000",
-        "checkpoint_every=7",
-        "max_minutes=0.0001",
-    )
+    r = run_here(*_train_args(tiny_prepared, out, "checkpoint_every=7", "max_minutes=0.0001"))
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["steps"] == 20
@@ -166,21 +170,14 @@ def test_the_schedule_ends_at_the_fitted_count_and_a_resume_keeps_it(
     holds."""
     monkeypatch.setattr("train.time_budget._now", iter(range(1, 10_000)).__next__)
     out = tmp_path / "run"
-    args = [
-        "train",
-        "base=tiny_random",
-        "head=hydra",
-        f"data.prepared={tiny_prepared}",
-        f"out={out}",
-        "logger=none",
-        "final_validation=false",
-        "trainer.max_steps=60",
-        "trainer.val_check_interval=1000",
+    args = _train_args(
+        tiny_prepared,
+        out,
         "checkpoint_every=100",
         "max_minutes=0.08",
         "optim.lr=1e-3",
         "optim.final_lr_ratio=0.1",
-    ]
+    )
     r = run_here(*args)
     assert r.returncode == 0, r.stderr[-3000:]
     steps = json.loads((out / "train_summary.json").read_text())["steps"]
