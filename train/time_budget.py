@@ -167,7 +167,7 @@ class StepsForTime(pl.Callback):
         step = trainer.global_step
         if self._mark is None:
             # a resumed process, too, leaves its first START steps untimed
-            if step >= max(START, self._first_step + START):
+            if step >= self._first_step + START:
                 self._mark = (self.clock(), self._val_s, step)
             return
         t_mark, val_mark, step_mark = self._mark
