@@ -275,17 +275,18 @@ def fit(
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    checkpoints = ModelCheckpoint(
+        dirpath=str(ckpt_dir),
+        filename="step{step:06d}",
+        every_n_train_steps=cfg.checkpoint_every,
+        save_last=True,
+        save_top_k=cfg.keep_checkpoints,
+        monitor="step",
+        mode="max",
+        auto_insert_metric_name=False,
+    )
     callbacks = [
-        ModelCheckpoint(
-            dirpath=str(ckpt_dir),
-            filename="step{step:06d}",
-            every_n_train_steps=cfg.checkpoint_every,
-            save_last=True,
-            save_top_k=cfg.keep_checkpoints,
-            monitor="step",
-            mode="max",
-            auto_insert_metric_name=False,
-        ),
+        checkpoints,
         SaveOnInterrupt(last),
     ]
     budget = None
@@ -338,10 +339,12 @@ def fit(
         )
     fit_s = time.perf_counter() - t1
     finished = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
-    if finished and trainer.global_step % cfg.checkpoint_every:
+    if finished and checkpoints._last_global_step_saved != trainer.global_step:
         # Lightning writes last.ckpt at the end only if no periodic save wrote it before, so
         # a run whose step count is not a multiple of checkpoint_every (a max_minutes count)
-        # would leave it at the last multiple: a resume would train those steps again
+        # would leave it at the last multiple: a resume would train those steps again. Its
+        # own record of the step last saved keeps a run it did save at the end from a second
+        # write (one shorter than checkpoint_every)
         trainer.save_checkpoint(str(last), weights_only=False)
     val = {}
     if cfg.final_validation and dm.val_dataloader():
