@@ -161,6 +161,19 @@ def test_v3_checkpoint_gets_no_fused_layers_and_loads(tmp_path, tiny_base):
         assert torch.equal(a, b)
 
 
+def test_v4_checkpoint_trained_its_lm_heads_and_loads(tmp_path, tiny_base):
+    """Format 4 predates head.freeze_lm_heads: every head of it trained its lm heads."""
+    d = _saved(tmp_path, tiny_base, "hydra_pp")
+    original, _ = load_heads(d, tiny_base.fingerprint())
+    _edit_meta(d, lambda m: (m.update(format="hydra-heads/4"), m["head"].pop("freeze_lm_heads")))
+    loaded, meta = load_heads(d, tiny_base.fingerprint())
+    assert meta["format"] == FORMAT and meta["head"]["freeze_lm_heads"] is False
+    assert all(lm.weight.requires_grad for lm in loaded.lm_heads)
+    x, e = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
+    for a, b in zip(original(x, e), loaded(x, e), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_future_format_names_the_file_the_format_and_the_fix(tmp_path, tiny_base):
     d = _saved(tmp_path, tiny_base)
     newer = f"hydra-heads/{VERSION + 1}"  # the next format, whatever the current one is

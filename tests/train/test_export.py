@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tests.helpers import base_config, full_vocab_logits, head_config, head_step, run
-from train.core.checkpoint import HeadsMismatchError
+from train.core.checkpoint import FORMAT, HeadsMismatchError
 from train.core.errors import ConfigError
 from train.decoding.propose import candidates
 from train.export import FormatError, export_heads, import_heads
@@ -121,7 +121,7 @@ def test_hf_export_is_a_heads_checkpoint_with_a_model_card(tmp_path, tiny_base):
     ]
     assert "(found)" in res["notes"][0]
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["HydraPPHeads"] and cfg["format"] == "hydra-heads/4"
+    assert cfg["architectures"] == ["HydraPPHeads"] and cfg["format"] == FORMAT
     assert cfg["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M"
     assert (out / "model.safetensors").read_bytes() == (hdir / "heads.safetensors").read_bytes()
     assert (out / "heads.safetensors").read_bytes() == (hdir / "heads.safetensors").read_bytes()

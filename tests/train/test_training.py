@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import train_config
+from tests.helpers import head_config, train_config
+from train.core.errors import ConfigError
 from train.heads import HEADS
 from train.recipe import build_module
 
@@ -273,6 +274,34 @@ def test_heads_with_biases_start_as_the_base_and_train_their_biases(tiny_prepare
     assert all(b is not None and not b.any() for b in biases)
     _fit(module, dm, 5)
     assert all(b.abs().sum() > 0 for b in biases)
+
+
+def test_frozen_lm_heads_stay_the_bases_rows_while_the_rest_learns(tiny_prepared, tmp_path):
+    """head.freeze_lm_heads=true (an extra): no optimizer state and no change for the output
+    projections, which stay the base's lm_head; the blocks and Hydra++'s layer still learn."""
+    extra = ["head=hydra_pp", "head.num_heads=2", "head.num_layers=1"]
+    frozen_cfg = _cfg(tiny_prepared, tmp_path, *extra, "head.freeze_lm_heads=true")
+    module, dm, *_ = build_module(frozen_cfg)
+    base_rows = module.base_model.get_output_embeddings().weight.detach().clone()
+    others = {k: v.clone() for k, v in module.heads.named_parameters() if "lm_heads" not in k}
+    log = LossLog()
+    trainer = _fit(module, dm, 25, [log(module)])
+    assert sum(log.losses[-5:]) < 0.8 * sum(log.losses[:5]), log.losses
+    for lm in module.heads.lm_heads:
+        assert not lm.weight.requires_grad and torch.equal(lm.weight, base_rows)
+    opt_params = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+    assert not opt_params & {id(lm.weight) for lm in module.heads.lm_heads}
+    after = dict(module.heads.named_parameters())
+    assert all(not torch.equal(v, after[k]) for k, v in others.items() if v.ndim == 2)
+    trained, *_ = build_module(_cfg(tiny_prepared, tmp_path, *extra))
+    assert all(lm.weight.requires_grad for lm in trained.heads.lm_heads)
+
+
+def test_frozen_lm_heads_refuse_the_official_random_biases():
+    assert head_config("hydra", freeze_lm_heads=True, bias=True).freeze_lm_heads  # zero biases
+    with pytest.raises(ConfigError, match="'bias'.*freeze_lm_heads=true and head.init=official"):
+        head_config("hydra", freeze_lm_heads=True, bias=True, init="official")
+    assert head_config("hydra", freeze_lm_heads=True, bias=False, init="official").bias is False
 
 
 def test_bf16_autocast_step_matches_fp32_and_slow_cpus_are_warned(

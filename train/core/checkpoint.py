@@ -24,7 +24,7 @@ from train.core.errors import NotFound, UserError
 HEADS_FILE = "heads.safetensors"
 CONFIG_FILE = "heads_config.json"
 FORMAT_NAME = "hydra-heads"
-VERSION = 4
+VERSION = 5
 FORMAT = f"{FORMAT_NAME}/{VERSION}"
 
 # Top-level keys of heads_config.json that rebuilding the heads reads, and their JSON types.
@@ -146,11 +146,25 @@ def _v3_to_v4(meta: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+# Format 5 added head.freeze_lm_heads; every earlier head trained its output projections.
+V4_HEAD = {"freeze_lm_heads": False}
+
+
+def _v4_to_v5(meta: dict[str, Any]) -> dict[str, Any]:
+    """Format 4 -> 5: head.freeze_lm_heads, false for every format-4 file."""
+    head = meta.get("head")
+    if isinstance(head, dict):  # else: check_keys
+        meta["head"] = {**V4_HEAD, **head}
+    meta["format"] = f"{FORMAT_NAME}/5"
+    return meta
+
+
 # MIGRATIONS[v] turns a format-v meta into a format-(v+1) one.
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
     1: _v1_to_v2,
     2: _v2_to_v3,
     3: _v3_to_v4,
+    4: _v4_to_v5,
 }
 
 

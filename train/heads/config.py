@@ -82,6 +82,10 @@ class HeadConfig(ConfigModel):
     # Blocks that map H -> H share one set of weights, as zankner/Hydra's `[ResBlock] * n`
     # builds them: blocks 2..L of a Hydra / Hydra++ head, all L blocks of a Medusa head.
     tie_blocks: bool
+    # An extra: the heads' output projections stay the base's lm_head rows (as EAGLE's), so
+    # a step computes no V x H weight gradient and AdamW keeps no state for them. Official
+    # Hydra / Medusa heads train their own (false).
+    freeze_lm_heads: bool
     # ours: every head starts as the base lm_head (zero residual blocks, identity projections,
     # extra layer = its final norm); official: zankner/Hydra's (random projections and biases).
     init: Literal["ours", "official"]
@@ -99,6 +103,13 @@ class HeadConfig(ConfigModel):
                     fail(key, getattr(self, key), f"{want} ({why})")
             if self.bias:
                 fail("bias", True, f"false ({self.name}'s lm head has no bias)")
+        if self.freeze_lm_heads and self.bias and self.init == "official":
+            fail(
+                "bias",
+                True,
+                "false with head.freeze_lm_heads=true and head.init=official (its random "
+                "lm head biases would stay random), or head.init=ours (zero biases)",
+            )
         if self.name == "eagle3" and self.hidden_state_offset:
             fail("hidden_state_offset", self.hidden_state_offset, "0 (eagle3 reads aux_layers)")
         if self.aux_layers is not None:

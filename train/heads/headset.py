@@ -68,6 +68,8 @@ class HeadSet(nn.Module):
             self.lm_heads.append(lin)
         if self.shared_lm_head:
             self.lm_heads = nn.ModuleList([self.lm_heads[0]] * cfg.num_heads)
+        if cfg.freeze_lm_heads:  # an extra: the base's rows, never trained
+            self.lm_heads.requires_grad_(False)
         self.lm_dropout = nn.Dropout(cfg.dropout)  # before each lm head, as zankner/Hydra's
         # Head k's residual MLP: its first block reads the context, plus the k+1 path
         # embeddings for heads that use the path ((k+2)H -> H).
