@@ -5,6 +5,10 @@ Usage: python evaluation/benchmarks/bench_arch_train.py --data DIR [--sweep arch
        [--warmup 3] [--repeats 2] [--threads N] [--head-override eagle3:head.num_heads=7 ...]
        [--budget-steps 1100] [--ref hydra_pp] [--override KEY=VALUE ...]
 
+A `--heads` entry `NAME@LABEL` is a variant of head NAME with its own `--head-override
+NAME@LABEL:KEY=VALUE`s, timed beside the others, e.g. the recipe's heads with frozen lm heads:
+`--heads hydra_pp,hydra_pp@frozen --head-override hydra_pp@frozen:head.freeze_lm_heads=true`.
+
 `--data` is a prepared dataset with cached hidden states (`prep cache_hidden=true`); EAGLE-3
 also needs its three fused layers there (`prep from_prepared=DIR cache_hidden=true
 'cache_aux_layers=[2,15,27]' out=DIR_E3`): without them eagle3 is left out, and the command that
@@ -85,12 +89,17 @@ def sweep_head_extras(name: str) -> dict[str, list[str]]:
     return {str(h): [o for o in overrides if not _own(o)] for h, overrides in by_head.items()}
 
 
+def arch(head: str) -> str:
+    """The head architecture of a `--heads` entry: 'hydra_pp@frozen' -> 'hydra_pp'."""
+    return head.partition("@")[0]
+
+
 def head_overrides(
     items: list[str], heads: list[str], base: dict[str, list[str]] | None = None
 ) -> dict[str, list[str]]:
     """['eagle3:head.num_heads=3'] -> {'eagle3': ['head.num_heads=3']}, after each head's
-    overrides in `base` (the sweep's extras)."""
-    out: dict[str, list[str]] = {h: list((base or {}).get(h, [])) for h in heads}
+    overrides in `base` (the sweep's extras; a variant 'NAME@LABEL' starts from NAME's)."""
+    out: dict[str, list[str]] = {h: list((base or {}).get(arch(h), [])) for h in heads}
     for item in items:
         head, sep, override = item.partition(":")
         if not sep or "=" not in override:
@@ -113,7 +122,7 @@ def train_cfg(args: argparse.Namespace, head: str, extra: list[str], out: Path) 
     overrides = [
         *sweep_train_overrides(args.sweep),
         *args.override,
-        f"head={head}",
+        f"head={arch(head)}",
         *extra,
         f"data.prepared={args.data}",
         "logger=none",
@@ -223,18 +232,20 @@ def main() -> None:
     threads = torch.get_num_threads()
     quiet_training()
     heads = [h.strip() for h in args.heads.split(",") if h.strip()]
-    unknown = [h for h in heads if h not in HEADS]
+    unknown = [h for h in heads if arch(h) not in HEADS]
+    if len(set(heads)) != len(heads):
+        raise SystemExit(f"--heads {args.heads}: an entry twice; label variants NAME@LABEL")
     if unknown:
         raise SystemExit(f"--heads: unknown {unknown}; registered: {list(HEADS)}")
     extra = head_overrides(args.head_override, heads, sweep_head_extras(args.sweep))
     offline = train_cfg(args, heads[0], extra[heads[0]], Path("/nonexistent")).data.offline
-    if offline and "eagle3" in heads and not has_aux_layers(args.data):
+    if offline and any(arch(h) == "eagle3" for h in heads) and not has_aux_layers(args.data):
         console.print(
             f"[yellow]eagle3 left out: {args.data} has no fused layers; add them with "
             f"`hydra-heads prep from_prepared={args.data} cache_hidden=true "
             f"'cache_aux_layers=[2,15,27]' out=DIR` and pass --data DIR[/yellow]"
         )
-        heads.remove("eagle3")
+        heads = [h for h in heads if arch(h) != "eagle3"]
     console.print(f"load average before: {load_average()}; busy: {busy_processes()}")
     total = args.warmup + args.steps
     params: dict[str, int] = {}

@@ -160,6 +160,12 @@ def test_bench_arch_train_reads_the_sweep_and_refuses_bad_head_overrides():
     assert extras["eagle3"] == ["head.num_heads=3"] and extras["medusa"] == []
     got = head_overrides(["eagle3:head.dropout=0.1"], ["medusa", "eagle3"], extras)
     assert got == {"medusa": [], "eagle3": ["head.num_heads=3", "head.dropout=0.1"]}
+    # a labelled variant starts from its architecture's extras and takes its own overrides
+    got = head_overrides(["eagle3@d:head.dropout=0.1"], ["eagle3", "eagle3@d"], extras)
+    assert got == {
+        "eagle3": ["head.num_heads=3"],
+        "eagle3@d": ["head.num_heads=3", "head.dropout=0.1"],
+    }
     with pytest.raises(SystemExit, match="HEAD:key=value"):
         head_overrides(["eagle3=3"], ["eagle3"])
     with pytest.raises(SystemExit, match="not in --heads"):
