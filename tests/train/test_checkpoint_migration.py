@@ -61,7 +61,7 @@ def _edit_meta(d: Path, edit) -> None:
 def test_a_saved_checkpoint_records_every_head_and_base_key(tmp_path, tiny_base):
     d = _saved(tmp_path, tiny_base, "hydra_pp")
     meta = json.loads((d / CONFIG_FILE).read_text())
-    assert meta["format"] == FORMAT == "hydra-heads/4"
+    assert meta["format"] == FORMAT == "hydra-heads/5"
     assert set(meta["head"]) == set(HeadConfig.model_fields)
     assert set(meta["head"]["loss"]) == set(LossConfig.model_fields)
     cfg = meta["base"]["config"]
@@ -149,25 +149,22 @@ def test_v2_checkpoint_gets_forward_kl_and_loads(tmp_path, tiny_base):
         assert torch.equal(a, b)
 
 
-def test_v3_checkpoint_gets_no_fused_layers_and_loads(tmp_path, tiny_base):
-    """Format 3 predates head.aux_layers (EAGLE-3's fused layers): no head of it fused any."""
-    d = _saved(tmp_path, tiny_base, "hydra")
-    original, _ = load_heads(d, tiny_base.fingerprint())
-    _edit_meta(d, lambda m: (m.update(format="hydra-heads/3"), m["head"].pop("aux_layers")))
-    loaded, meta = load_heads(d, tiny_base.fingerprint())
-    assert meta["format"] == FORMAT and meta["head"]["aux_layers"] is None
-    x, e = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
-    for a, b in zip(original(x, e), loaded(x, e), strict=True):
-        assert torch.equal(a, b)
+# (format, the head key it lacked, that key's value for every head of it)
+LATER_KEYS = [
+    (3, "aux_layers", None),  # EAGLE-3's fused layers: no head of format 3 fused any
+    (4, "freeze_lm_heads", False),  # every head of format 4 trained its lm heads
+]
 
 
-def test_v4_checkpoint_trained_its_lm_heads_and_loads(tmp_path, tiny_base):
-    """Format 4 predates head.freeze_lm_heads: every head of it trained its lm heads."""
+@pytest.mark.parametrize(("version", "key", "value"), LATER_KEYS)
+def test_a_checkpoint_from_before_a_key_gets_its_old_value_and_loads(
+    tmp_path, tiny_base, version, key, value
+):
     d = _saved(tmp_path, tiny_base, "hydra_pp")
     original, _ = load_heads(d, tiny_base.fingerprint())
-    _edit_meta(d, lambda m: (m.update(format="hydra-heads/4"), m["head"].pop("freeze_lm_heads")))
+    _edit_meta(d, lambda m: (m.update(format=f"hydra-heads/{version}"), m["head"].pop(key)))
     loaded, meta = load_heads(d, tiny_base.fingerprint())
-    assert meta["format"] == FORMAT and meta["head"]["freeze_lm_heads"] is False
+    assert meta["format"] == FORMAT and meta["head"][key] == value
     assert all(lm.weight.requires_grad for lm in loaded.lm_heads)
     x, e = torch.randn(1, 5, 64), torch.randn(1, 5, 64)
     for a, b in zip(original(x, e), loaded(x, e), strict=True):
