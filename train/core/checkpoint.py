@@ -133,17 +133,23 @@ def _v2_to_v3(meta: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+def _fill_head(meta: dict[str, Any], defaults: dict[str, Any], version: int) -> dict[str, Any]:
+    """Give `meta`'s head the keys of `defaults` it lacks (what every file of the format before
+    `version` computed), and mark it format `version`."""
+    head = meta.get("head")
+    if isinstance(head, dict):  # else: check_keys
+        meta["head"] = {**defaults, **head}
+    meta["format"] = f"{FORMAT_NAME}/{version}"
+    return meta
+
+
 # Format 4 added EAGLE-3's fused layers (head.aux_layers); no earlier head fused any.
 V3_HEAD = {"aux_layers": None}
 
 
 def _v3_to_v4(meta: dict[str, Any]) -> dict[str, Any]:
     """Format 3 -> 4: head.aux_layers, null for every format-3 file."""
-    head = meta.get("head")
-    if isinstance(head, dict):  # else: check_keys
-        meta["head"] = {**V3_HEAD, **head}
-    meta["format"] = f"{FORMAT_NAME}/4"
-    return meta
+    return _fill_head(meta, V3_HEAD, 4)
 
 
 # Format 5 added head.freeze_lm_heads; every earlier head trained its output projections.
@@ -152,11 +158,7 @@ V4_HEAD = {"freeze_lm_heads": False}
 
 def _v4_to_v5(meta: dict[str, Any]) -> dict[str, Any]:
     """Format 4 -> 5: head.freeze_lm_heads, false for every format-4 file."""
-    head = meta.get("head")
-    if isinstance(head, dict):  # else: check_keys
-        meta["head"] = {**V4_HEAD, **head}
-    meta["format"] = f"{FORMAT_NAME}/5"
-    return meta
+    return _fill_head(meta, V4_HEAD, 5)
 
 
 # MIGRATIONS[v] turns a format-v meta into a format-(v+1) one.
