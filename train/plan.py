@@ -112,8 +112,10 @@ def base_params(arch: dict) -> tuple[int, int]:
     return embed + L * layer + H, layer
 
 
-def head_params(head_cfg, arch: dict) -> int:
-    """Exact trainable parameter count of the head set, built on the meta device."""
+def head_params(head_cfg, arch: dict) -> tuple[int, int]:
+    """Exact parameter counts of the head set, trainable and frozen (the base's lm_head rows
+    of zankner/Hydra's recurrent heads, or every head's under head.freeze_lm_heads), built on
+    the meta device."""
     from train.heads import build_heads
 
     shape = {k: v for k, v in arch.items() if v is not None}
@@ -121,7 +123,9 @@ def head_params(head_cfg, arch: dict) -> int:
     draft = torch.arange(min(head_cfg.draft_vocab_size, V)) if head_cfg.draft_vocab_size else None
     with torch.device("meta"):
         heads = build_heads(head_cfg, shape, torch.empty(V, H), draft)
-    return sum(p.numel() for p in heads.parameters() if p.requires_grad)
+    params = list(heads.parameters())  # a shared module's parameters once
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    return trained, sum(p.numel() for p in params) - trained
 
 
 def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any]:
@@ -134,7 +138,7 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     B = cfg.data.batch_size
     T = cfg.data.max_length or arch.get("max_length") or 2048
     P_base, P_layer = base_params(arch)
-    P_heads = head_params(cfg.head, arch)
+    P_heads, P_frozen = head_params(cfg.head, arch)
     V_out = min(cfg.head.draft_vocab_size or V, V)
     sharded = st.strategy in ("zero3", "zero3_offload", "fsdp")
 
@@ -155,17 +159,17 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     elif sharded:
         # + what is gathered whole during a step: the output projections (read by the loss for
         # the whole step) and the largest head module at a time
-        frozen = cfg.head.name in RECURRENT and cfg.head.name not in UNROLLED
+        frozen = P_frozen > 0  # frozen lm heads: in their own row below, not in P_heads
         lm = 0 if frozen else (V_out * H if cfg.head.name in UNROLLED else K * V_out * H)
         working = 4 * (lm + (P_heads - lm) / K)
         p, g, o = p / W + working, g / W, o / W
     elif st.strategy == "ddp":
         g *= 2  # gradient buckets
     rows.update({"heads weights": p, "heads grads": g, "heads AdamW states": o})
-    # zankner/Hydra's recurrent heads: the base's rows, frozen (no grads, no AdamW); EAGLE-3's
-    # is its own, trained (in P_heads)
-    if cfg.head.name in RECURRENT and cfg.head.name not in UNROLLED:
-        rows["heads frozen lm head"] = V_out * H * 4
+    # frozen lm heads (no grads, no AdamW): zankner/Hydra's recurrent heads' (the base's rows;
+    # EAGLE-3's is its own, trained, in P_heads), or every head's under head.freeze_lm_heads
+    if P_frozen:
+        rows["heads frozen lm heads"] = P_frozen * 4
     # base forward (no grad, validation's cut too): one layer's transients + the states kept
     BT, Bv, Tv = B * T, cfg.data.val_batch_size or B, cfg.data.val_max_length or T
     BTv, BTTv = max(BT, Bv * Tv), max(BT * T, Bv * Tv * Tv)  # training or validation, the larger
@@ -189,14 +193,15 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     # closed-form gradients kept for backward (dL/dstate and dL/dW per head)
     n = BT * assistant_fraction
     chunk = cfg.head.loss.chunk_size
-    rows["loss: gathered states + saved grads"] = K * (2 * n * H + V_out * H) * 4
+    lm_grads = 0 if P_frozen else V_out * H  # a frozen lm head has no dL/dW
+    rows["loss: gathered states + saved grads"] = K * (2 * n * H + lm_grads) * 4
     # head and teacher logits of one chunk (the teacher restricted to the draft vocab too),
     # softmax/grad temporaries, and the chunked argmax of the base over its own vocab
     live = min(chunk, n)
     rows["loss: one chunk of logits"] = live * V_out * 4 * 4 + min(1024, BT) * V * 4
     return {
         "setup": st.__dict__,
-        "params": {"base": P_base, "heads": P_heads},
+        "params": {"base": P_base, "heads": P_heads, "heads_frozen": P_frozen},
         "batch": {"batch_size": B, "max_length": T},
         "rows": rows,
         "total": sum(rows.values()),

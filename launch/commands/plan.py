@@ -46,7 +46,10 @@ def run(cfg) -> dict[str, Any]:
     console = Console(width=110)
     console.print(t)
     n = est["params"]
-    console.print(f"base {n['base'] / 1e9:.2f} B params, heads {n['heads'] / 1e6:.1f} M trainable")
+    frozen = f" + {n['heads_frozen'] / 1e6:.1f} M frozen" if n["heads_frozen"] else ""
+    console.print(
+        f"base {n['base'] / 1e9:.2f} B params, heads {n['heads'] / 1e6:.1f} M trainable{frozen}"
+    )
     label = gpu if typed.gpu_memory_gb is None else f"{gb} GB device"
     if v["fits"]:
         console.print(f"[green]fits[/] on {label} ({v['need_gb']:.1f} of {gb} GB)")

@@ -36,6 +36,26 @@ def test_zero3_shards_the_base_and_ddp_does_not_fit_70b():
     assert r.returncode == 0 and "does not fit" in r.stdout and "smallest change" in r.stdout
 
 
+def test_frozen_lm_heads_are_weights_without_grads_or_adamw_states():
+    """head.freeze_lm_heads=true: the K lm heads (V x H rows and biases) leave the trained
+    parameters (grads, AdamW) for a row of their own, and the loss keeps no dL/dW for them."""
+    base = [*LLAMA70, "trainer=deepspeed_zero3", "trainer.num_nodes=4", "head=hydra_pp"]
+    trained, frozen = train_config(base), train_config([*base, "head.freeze_lm_heads=true"])
+    arch = base_arch(trained.base)
+    e_t, e_f = estimate(trained, arch), estimate(frozen, arch)
+    K, V, H = trained.head.num_heads, arch["vocab_size"], arch["hidden_size"]
+    V_out = min(trained.head.draft_vocab_size or V, V)
+    lm = K * V_out * (H + trained.head.bias)  # weights and biases (hydra_pp's: true)
+    assert e_t["params"]["heads_frozen"] == 0 and "heads frozen lm heads" not in e_t["rows"]
+    assert e_f["params"]["heads_frozen"] == lm
+    assert e_f["params"]["heads"] == e_t["params"]["heads"] - lm
+    assert e_f["rows"]["heads frozen lm heads"] == lm * 4
+    assert e_f["rows"]["heads AdamW states"] < e_t["rows"]["heads AdamW states"]
+    loss = "loss: gathered states + saved grads"
+    assert e_t["rows"][loss] - e_f["rows"][loss] == pytest.approx(K * V_out * H * 4)
+    assert all(b >= 0 for b in e_f["rows"].values())
+
+
 def test_a_partial_base_arch_names_the_missing_keys():
     from train.core.errors import ConfigError
 
