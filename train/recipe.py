@@ -130,10 +130,18 @@ class LogProgress(pl.Callback):
 
 
 class SaveOnInterrupt(pl.Callback):
-    """On SIGTERM (preemption) or Ctrl-C, write last.ckpt so `resume=true` loses nothing."""
+    """On SIGTERM (preemption) or Ctrl-C, write last.ckpt so `resume=true` loses nothing.
+
+    It also records the step of the last checkpoint anyone wrote (`saved_step`: Lightning
+    calls every callback's on_save_checkpoint for each save, periodic ones included), so the
+    end of a run knows whether its last step is on disk."""
 
     def __init__(self, path: Path):
         self.path = path
+        self.saved_step: int | None = None
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        self.saved_step = trainer.global_step
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -285,10 +293,8 @@ def fit(
         mode="max",
         auto_insert_metric_name=False,
     )
-    callbacks = [
-        checkpoints,
-        SaveOnInterrupt(last),
-    ]
+    interrupt = SaveOnInterrupt(last)
+    callbacks = [checkpoints, interrupt]
     budget = None
     if cfg.max_minutes is not None:  # before the Trainer, which puts ModelCheckpoint after it:
         # the checkpoint of the step that fixes the count then holds the count
@@ -339,12 +345,11 @@ def fit(
         )
     fit_s = time.perf_counter() - t1
     finished = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
-    if finished and checkpoints._last_global_step_saved != trainer.global_step:
+    if finished and interrupt.saved_step != trainer.global_step:
         # Lightning writes last.ckpt at the end only if no periodic save wrote it before, so
         # a run whose step count is not a multiple of checkpoint_every (a max_minutes count)
-        # would leave it at the last multiple: a resume would train those steps again. Its
-        # own record of the step last saved keeps a run it did save at the end from a second
-        # write (one shorter than checkpoint_every)
+        # would leave it at the last multiple: a resume would train those steps again. The
+        # step of the last save keeps a run that did save at its end from a second write
         trainer.save_checkpoint(str(last), weights_only=False)
     val = {}
     if cfg.final_validation and dm.val_dataloader():
