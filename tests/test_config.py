@@ -302,3 +302,37 @@ def test_unions_trainer_keys_and_missing_keys_are_named():
     with pytest.raises(ConfigError, match=r"keys 'data.prepared', 'out' are required") as e:
         to_typed(compose("train", []), TrainConfig, "hydra-heads train data.prepared=D out=O")
     assert "e.g. hydra-heads train data.prepared=D out=O" in str(e.value)
+
+
+# The README's rule: a schema names keys, conf/ holds their values. These optional keys are
+# the exceptions it lists (inline list items, sweep files, older heads records).
+OPTIONAL_KEYS = {
+    "SourceConfig": {"format", "name", "max_conversations"},  # a mixture's sources
+    "SearchParam": {"choices", "low", "high", "integer", "log"},  # a search's parameters
+    "SweepSpec": {"extra", "search"},  # a sweep file's
+    "TinyConfig": {"vocab_size"},  # older heads records have none
+}
+
+
+def test_config_schemas_hold_no_defaults_but_the_listed_ones():
+    import importlib
+
+    from train.core.config import ConfigModel
+
+    for module in ("train.config", "train.heads.config", "evaluation.config", "data_prep.config"):
+        importlib.import_module(module)
+    importlib.import_module("launch.config")
+
+    def subclasses(c):
+        for sub in c.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    found = {}
+    for model in set(subclasses(ConfigModel)):
+        if model.__module__.split(".")[0] not in ("train", "evaluation", "data_prep", "launch"):
+            continue  # a test's own schema
+        optional = {n for n, f in model.model_fields.items() if not f.is_required()}
+        if optional:
+            found[model.__name__] = optional
+    assert found == OPTIONAL_KEYS, "a default belongs in conf/, not in the schema"

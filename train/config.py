@@ -141,7 +141,7 @@ class TrainConfig(ConfigModel):
     max_minutes: (
         Annotated[float, check(lambda v: 0 < v < math.inf, "null or a number of minutes > 0")]
         | None
-    ) = None
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> TrainConfig:
