@@ -197,7 +197,11 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, required=True, help="prepared data with hidden states")
     p.add_argument("--sweep", default="architectures_cpu", help="conf/sweep/<name>.yaml")
-    p.add_argument("--heads", default=",".join(HEADS), help="comma-separated head names")
+    p.add_argument(
+        "--heads",
+        default=",".join(HEADS),
+        help="comma-separated head names; NAME@LABEL for a variant of one (see --head-override)",
+    )
     p.add_argument("--head-override", action="append", default=[], metavar="HEAD:KEY=VALUE")
     p.add_argument(
         "--override",
@@ -246,6 +250,8 @@ def main() -> None:
             f"'cache_aux_layers=[2,15,27]' out=DIR` and pass --data DIR[/yellow]"
         )
         heads = [h for h in heads if arch(h) != "eagle3"]
+    if args.ref is not None and args.ref not in heads:  # before the runs, not after them
+        raise SystemExit(f"--ref {args.ref}: not one of the heads timed ({', '.join(heads)})")
     console.print(f"load average before: {load_average()}; busy: {busy_processes()}")
     total = args.warmup + args.steps
     params: dict[str, int] = {}

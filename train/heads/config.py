@@ -67,7 +67,7 @@ class HeadConfig(ConfigModel):
 
     name: Literal["medusa", "hydra", "hydra_pp", "hydra_eagle", "hydra_cross_attn", "eagle3"]
     num_heads: Annotated[int, check(lambda v: 1 <= v <= 16, "an integer in [1, 16]")]
-    num_layers: Positive  # residual MLP blocks per head, each with its own weights
+    num_layers: Positive  # residual MLP blocks per head (blocks 2..L shared: tie_blocks)
     hidden_state_offset: NonNegative  # 0: last (post-norm) state; n: n-th layer from the last
     # eagle3: the base's hidden states its fc fuses, as indices of transformers' hidden_states
     # (0: the embeddings, i: the input of layer i); null: EAGLE-3's (2, N // 2, N - 3)
