@@ -418,14 +418,20 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
         for r in curved:
             c = r["train"]["curves"]
-            (line,) = ax.plot(*zip(*c["train/loss"], strict=True), label=f"{r['name']} train")
+            (line,) = ax.plot(
+                *zip(*_trailing_mean(c["train/loss"]), strict=True), label=f"{r['name']} train"
+            )
             if c.get("val/loss"):
                 ax.plot(
                     *zip(*c["val/loss"], strict=True), color=line.get_color(), ls="--",
                     marker="o", label=f"{r['name']} val",
                 )  # fmt: skip
-        ax.set(xlabel="optimizer step", ylabel="loss (sum over heads)")
-        save(fig, ax, "loss_curves")
+        ax.set(
+            xlabel="optimizer step",
+            ylabel=f"loss (sum over heads; train: mean of {TRAIN_WINDOW} steps)",
+        )
+        # a placed legend: "best" searches every point of thousands of steps (slow, warns)
+        save(fig, ax, "loss_curves", loc="upper right")
     tau_curved = [r for r in runs if (r.get("train", {}).get("curves") or {}).get("val/tau")]
     if tau_curved:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
@@ -461,7 +467,7 @@ def _plot_all(runs: list[dict], out: Path) -> dict[str, str]:
         ax_tau.grid(alpha=0.3)
         if ax_tau.lines:
             ax_tau.legend(fontsize=8)
-        save(fig, ax, "top1_curves", ncol=2)
+        save(fig, ax, "top1_curves", ncol=2, loc="lower right")
     hists = [r for r in runs if r.get("eval", {}).get("accepted_histogram")]
     if hists:
         fig, ax = plt.subplots(figsize=(6.5, 3.8))
