@@ -159,8 +159,8 @@ def estimate(cfg, arch: dict, assistant_fraction: float = 0.75) -> dict[str, Any
     elif sharded:
         # + what is gathered whole during a step: the output projections (read by the loss for
         # the whole step) and the largest head module at a time
-        frozen = P_frozen > 0  # frozen lm heads: in their own row below, not in P_heads
-        lm = 0 if frozen else (V_out * H if cfg.head.name in UNROLLED else K * V_out * H)
+        # (frozen lm heads are in their own row below, not in P_heads)
+        lm = 0 if P_frozen else (V_out * H if cfg.head.name in UNROLLED else K * V_out * H)
         working = 4 * (lm + (P_heads - lm) / K)
         p, g, o = p / W + working, g / W, o / W
     elif st.strategy == "ddp":

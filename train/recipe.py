@@ -133,8 +133,8 @@ class SaveOnInterrupt(pl.Callback):
     """On SIGTERM (preemption) or Ctrl-C, write last.ckpt so `resume=true` loses nothing.
 
     It also records the step of the last checkpoint anyone wrote (`saved_step`: Lightning
-    calls every callback's on_save_checkpoint for each save, periodic ones included), so the
-    end of a run knows whether its last step is on disk."""
+    calls every callback's on_save_checkpoint for each full, resumable save, periodic ones
+    included), so the end of a run knows whether its last step is on disk."""
 
     def __init__(self, path: Path):
         self.path = path
